@@ -1,0 +1,133 @@
+"""Activation (gradient) checkpointing: keep only each transformer block's input in forward, recompute the rest
+in backward. Activation memory then grows with one block instead of all of them, for about one more forward pass.
+
+--checkpointing_impl hf     HF models: model.gradient_checkpointing_enable(), non-reentrant.
+--checkpointing_impl torch  torch.utils.checkpoint around each block: how to do it for any custom nn.Module.
+Before training, one step on the same batch with and without checkpointing measures what it saves and costs: the
+bytes autograd keeps for backward, the time ratio, and the largest gradient difference (0 up to float rounding).
+    accelerate launch recipes/activation_checkpointing.py --task causal-lm --max_seq_length 128
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+from shared.args import parse_args
+from shared.checkpoint import maybe_save_checkpoint, resume
+from shared.data import endless_batches
+from shared.launch import build_accelerator
+from shared.meter import Meter, saved_activation_bytes
+from shared.models import transformer_layers
+from shared.optim import optimizer_and_scheduler, total_steps
+from shared.results import finish
+from shared.tasks import load_task
+
+RECIPE = "activation_checkpointing"
+
+
+def recipe_args(p):
+    p.add_argument("--checkpointing_impl", default="hf", choices=("hf", "torch"))
+
+
+class CheckpointedBlock(nn.Module):
+    """Runs `block` under torch.utils.checkpoint: in backward its activations are recomputed, not read back."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
+            return self.block(*args, **kwargs)
+        # Non-reentrant: supports keyword arguments and inputs that do not require grad, and nests safely.
+        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+
+def enable_checkpointing(model: nn.Module, impl: str) -> None:
+    if impl == "hf":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        layers = transformer_layers(model)
+        for i, block in enumerate(layers):
+            layers[i] = CheckpointedBlock(block)
+
+
+def disable_checkpointing(model: nn.Module, impl: str) -> None:
+    """Back to plain blocks, so the saved model has the original layout."""
+    if impl == "hf":
+        model.gradient_checkpointing_disable()
+    else:
+        layers = transformer_layers(model)
+        for i, block in enumerate(layers):
+            layers[i] = block.block
+
+
+def measure_step(task, model: nn.Module, batch: dict) -> tuple[int, float, list[torch.Tensor]]:
+    """Saved-for-backward bytes, seconds (best of 3) and gradients of one forward + backward, same RNG each time."""
+    best = float("inf")
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with torch.random.fork_rng(devices=[]), saved_activation_bytes(model) as saved:
+            torch.manual_seed(0)  # the same dropout masks with and without checkpointing
+            t0 = time.perf_counter()
+            task.loss(model, batch).backward()
+            best = min(best, time.perf_counter() - t0)
+    grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return saved["bytes"], best, grads
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, recipe_args, description=__doc__)
+    accelerator = build_accelerator(args, RECIPE)
+    task = load_task(args, accelerator)
+
+    # One step on the same batch without, then with checkpointing: what it saves, what it costs.
+    task.model.to(accelerator.device).train()
+    probe = {k: v.to(accelerator.device) for k, v in next(iter(task.train_dataloader)).items()}
+    plain_bytes, plain_s, plain_grads = measure_step(task, task.model, probe)
+    enable_checkpointing(task.model, args.checkpointing_impl)
+    ckpt_bytes, ckpt_s, ckpt_grads = measure_step(task, task.model, probe)
+    probe_results = {
+        "activation_bytes_without_checkpointing": plain_bytes,
+        "activation_bytes_with_checkpointing": ckpt_bytes,
+        "activation_bytes_saved": plain_bytes - ckpt_bytes,
+        "step_time_ratio_vs_no_checkpointing": ckpt_s / plain_s,
+        "max_abs_grad_diff_vs_no_checkpointing": max(
+            (a - b).abs().max().item() for a, b in zip(plain_grads, ckpt_grads, strict=True)),
+    }
+    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
+
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
+    )
+    start_step, consumed = resume(accelerator, args)
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    meter = Meter(accelerator, args, task, model, optimizer)
+
+    model.train()
+    for step in meter.steps(start_step, max_steps):
+        batch = next(batches)
+        loss = task.loss(model, batch)
+        accelerator.backward(loss)
+        if args.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
+        optimizer.zero_grad(set_to_none=True)
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+
+    disable_checkpointing(accelerator.unwrap_model(model), args.checkpointing_impl)
+    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=probe_results)
+
+
+if __name__ == "__main__":
+    main()

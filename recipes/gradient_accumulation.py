@@ -1,0 +1,69 @@
+"""Gradient accumulation: the gradient of a large batch from several small ones, when the large one does not fit.
+
+`accelerator.accumulate` skips the gradient all-reduce and the optimizer step until the last micro-batch of a
+window of --gradient_accumulation_steps. The loss is normalized by the items of the whole accumulated global batch
+(target tokens for a causal LM, samples for classification), not averaged per micro-batch: averaging per
+micro-batch weighs a token in a short micro-batch more than one in a long one, and the result differs from the
+large batch. The scheduler steps once per optimizer step.
+    accelerate launch recipes/gradient_accumulation.py                          # 4 micro-batches per step
+    accelerate launch recipes/gradient_accumulation.py --task causal-lm --gradient_accumulation_steps 8
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+from shared.args import parse_args
+from shared.checkpoint import maybe_save_checkpoint, resume
+from shared.data import endless_batches
+from shared.launch import build_accelerator
+from shared.meter import Meter
+from shared.optim import optimizer_and_scheduler, total_steps
+from shared.results import finish
+from shared.tasks import load_task
+
+RECIPE = "gradient_accumulation"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, description=__doc__, gradient_accumulation_steps=4)
+    accelerator = build_accelerator(args, RECIPE)
+    task = load_task(args, accelerator)
+    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
+
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
+    )
+    start_step, consumed = resume(accelerator, args)
+    k = args.gradient_accumulation_steps
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    meter = Meter(accelerator, args, task, model, optimizer)
+
+    model.train()
+    for step in meter.steps(start_step, max_steps):
+        window = [next(batches) for _ in range(k)]
+        # Items (tokens or samples) in the whole accumulated batch, summed over all processes.
+        num_items = accelerator.reduce(sum(task.count_items(b) for b in window), "sum")
+        # accelerator.backward divides by k and DDP averages over processes: scale so each item weighs 1/num_items.
+        divisor = num_items / (k * accelerator.num_processes)
+        step_loss = 0.0
+        for batch in window:
+            with accelerator.accumulate(model):  # no all-reduce, no optimizer step until the k-th micro-batch
+                loss = task.loss(model, batch, num_items=divisor)
+                accelerator.backward(loss)
+            step_loss += loss.detach() / k
+        if args.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        meter.record(step, step_loss, window)  # before zero_grad: the gradients are counted too
+        optimizer.zero_grad(set_to_none=True)
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=(step + 1) * k)
+
+    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Mixed precision: fp16 with dynamic loss scaling, or bf16. Matmuls run in 16 bits, master weights stay fp32.
+
+fp16 has a narrow exponent range, so small gradients underflow: the loss is multiplied by a scale before backward,
+gradients are unscaled before the step, and a step whose gradients overflowed (inf/nan) is skipped and the scale
+halved; after `growth_interval` clean steps it doubles. bf16 has fp32's range and needs no scaler.
+The recipe reports the steps skipped and the final scale. On a CPU-only machine fp16 runs for real (torch's CPU
+autocast and GradScaler, see shared/launch.py), never silently fp32.
+    accelerate launch recipes/mixed_precision.py                              # fp16 (the default here)
+    accelerate launch recipes/mixed_precision.py --mixed_precision bf16
+    accelerate launch --config_file accelerate_configs/bf16.yaml recipes/mixed_precision.py --task causal-lm
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+from accelerate.utils import GradScalerKwargs
+
+from shared.args import parse_args
+from shared.checkpoint import maybe_save_checkpoint, resume
+from shared.data import endless_batches
+from shared.launch import build_accelerator
+from shared.meter import Meter
+from shared.optim import optimizer_and_scheduler, total_steps
+from shared.results import finish
+from shared.tasks import load_task
+
+RECIPE = "mixed_precision"
+
+
+def recipe_args(p):
+    p.add_argument("--init_loss_scale", type=float, default=2.0**16, help="fp16: the first loss scale.")
+    p.add_argument("--loss_scale_growth_interval", type=int, default=2000,
+                   help="fp16: clean steps before the scale doubles.")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, recipe_args, description=__doc__)
+    # fp16 unless the flag or the accelerate config says otherwise; the scaler settings apply to fp16 only.
+    scaler = GradScalerKwargs(init_scale=args.init_loss_scale, growth_interval=args.loss_scale_growth_interval)
+    accelerator = build_accelerator(args, RECIPE, default_mixed_precision="fp16", kwargs_handlers=[scaler])
+    task = load_task(args, accelerator)
+    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
+
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
+    )
+    start_step, consumed = resume(accelerator, args)
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    meter = Meter(accelerator, args, task, model, optimizer)
+
+    skipped = 0
+    model.train()
+    for step in meter.steps(start_step, max_steps):
+        batch = next(batches)
+        loss = task.loss(model, batch)
+        accelerator.backward(loss)
+        if args.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()  # with fp16: unscales, and skips the update if any gradient overflowed
+        skipped += int(optimizer.step_was_skipped)
+        scheduler.step()
+        meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
+        optimizer.zero_grad(set_to_none=True)
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+
+    scale = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
+    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter,
+                  extras={"skipped_steps": skipped, "final_loss_scale": scale})
+
+
+if __name__ == "__main__":
+    main()

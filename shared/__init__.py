@@ -1,0 +1,1 @@
+"""Helpers every recipe needs and no recipe is about. Nothing here imports a recipe."""

@@ -1,0 +1,80 @@
+"""One parser for every recipe: the common flags (named as in Transformers' example scripts) and the recipe's own."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+TASKS = ("text-classification", "causal-lm", "image-classification")
+
+
+def parse_args(
+    argv: Sequence[str] | None = None,
+    add_recipe_args: Callable[[argparse.ArgumentParser], None] | None = None,
+    description: str | None = None,
+    **defaults: object,
+) -> argparse.Namespace:
+    """Parse the common flags and the recipe's own; `defaults` override the common defaults for one recipe."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("task and model")
+    g.add_argument("--task", default="text-classification", choices=TASKS)
+    g.add_argument("--model_name_or_path", default=None,
+                   help="Hub id or local directory. Unset: a model built from the --model_preset config (no download).")
+    g.add_argument("--model_preset", default="tiny", choices=("tiny", "base"),
+                   help="Used when --model_name_or_path is unset. tiny: trains in seconds on CPU. base: the dimensions "
+                        "of BERT-base / GPT-2 124M / ViT-B/16, random weights, for benchmarks.")
+    g.add_argument("--tokenizer_name", default=None, help="Defaults to --model_name_or_path; unset: built locally.")
+    g.add_argument("--disable_dropout", action="store_true",
+                   help="Set every dropout probability to 0: runs that differ only in batching then match exactly.")
+    g.add_argument("--trust_remote_code", action="store_true",
+                   help="Run code shipped with a hub model. Off unless passed.")
+
+    g = p.add_argument_group("data (unset: a built-in offline dataset the model can learn)")
+    g.add_argument("--dataset_name", default=None, help="Hub dataset id.")
+    g.add_argument("--dataset_config_name", default=None)
+    g.add_argument("--train_file", default=None, help="csv, json/jsonl, parquet (txt for causal-lm).")
+    g.add_argument("--validation_file", default=None)
+    g.add_argument("--train_dir", default=None, help="Image folder: one subfolder per class.")
+    g.add_argument("--validation_dir", default=None)
+    g.add_argument("--text_column", default=None)
+    g.add_argument("--label_column", default=None)
+    g.add_argument("--image_column", default=None)
+    g.add_argument("--max_seq_length", type=int, default=128)
+    g.add_argument("--max_train_samples", type=int, default=None)
+    g.add_argument("--max_eval_samples", type=int, default=None)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--per_device_train_batch_size", type=int, default=16)
+    g.add_argument("--per_device_eval_batch_size", type=int, default=32)
+    g.add_argument("--learning_rate", type=float, default=1e-3)
+    g.add_argument("--weight_decay", type=float, default=0.01)
+    g.add_argument("--num_train_epochs", type=float, default=2.0)
+    g.add_argument("--max_train_steps", type=int, default=None, help="Overrides --num_train_epochs.")
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    g.add_argument("--lr_scheduler_type", default="linear",
+                   choices=("linear", "cosine", "constant", "constant_with_warmup", "polynomial"))
+    g.add_argument("--num_warmup_steps", type=int, default=0)
+    g.add_argument("--max_grad_norm", type=float, default=1.0, help="0 disables clipping.")
+    g.add_argument("--mixed_precision", default=None, choices=("no", "fp16", "bf16"),
+                   help="Unset: the accelerate config's value, else the recipe's default.")
+    g.add_argument("--seed", type=int, default=42)
+
+    g = p.add_argument_group("output")
+    g.add_argument("--output_dir", default=None, help="Default: outputs/<recipe>-<task>.")
+    g.add_argument("--checkpointing_steps", type=int, default=None, help="Save a resumable checkpoint every N steps.")
+    g.add_argument("--resume_from_checkpoint", default=None, help="A checkpoint directory, or 'latest' in output_dir.")
+    g.add_argument("--report_to", default="tensorboard", help="Tracker(s) for Accelerate, comma-separated, or 'none'.")
+    g.add_argument("--logging_steps", type=int, default=10)
+    g.add_argument("--no_save_model", action="store_true", help="Skip saving the final model (tests, benchmarks).")
+
+    if add_recipe_args is not None:
+        add_recipe_args(p.add_argument_group("this recipe"))
+    p.set_defaults(**defaults)
+    args = p.parse_args(argv)
+    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "max_seq_length"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.max_train_steps is not None and args.max_train_steps < 1:
+        p.error(f"--max_train_steps must be at least 1, got {args.max_train_steps}")
+    return args

@@ -1,0 +1,268 @@
+"""Data for the three families: built-in offline datasets, local files and folders, hub datasets, tokenizers."""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# ---------------------------------------------------------------- built-in offline datasets (deterministic)
+_POSITIVE = "great excellent superb wonderful delightful brilliant enjoyable charming moving fresh clever".split()
+_NEGATIVE = "awful terrible boring dull dreadful poor painful mediocre bland clumsy tedious weak".split()
+_NOUNS = "movie film plot acting script cast ending story music pacing dialogue camera".split()
+_FILLER = "the a this that really quite very somewhat rather honestly overall frankly".split()
+_ANIMALS = "cat dog bird fox horse mouse owl wolf".split()
+_COLORS = "red green blue black white brown".split()
+_PLACES = "garden house forest river field road".split()
+_NUMBERS = "one two three four five six seven eight nine ten".split()
+
+
+def sentiment_dataset(n: int, seed: int) -> dict[str, list]:
+    """Short reviews; the label is the polarity held by most of the sentiment words (0 negative, 1 positive)."""
+    rng = random.Random(seed)
+    texts, labels = [], []
+    for _ in range(n):
+        label = rng.randint(0, 1)
+        major, minor = (_POSITIVE, _NEGATIVE) if label else (_NEGATIVE, _POSITIVE)
+        words = [rng.choice(major) for _ in range(rng.randint(2, 3))]
+        words += [rng.choice(minor) for _ in range(rng.randint(0, 1))]
+        rng.shuffle(words)
+        clauses = [f"{rng.choice(_FILLER)} {rng.choice(_NOUNS)} was {rng.choice(_FILLER)} {w}" for w in words]
+        texts.append(" and ".join(clauses))
+        labels.append(label)
+    return {"text": texts, "label": labels}
+
+
+def story_dataset(n: int, seed: int) -> dict[str, list]:
+    """Lines of 1 to 4 templated sentences and counting runs: a causal LM's perplexity falls far below chance."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        sentences = []
+        for _ in range(rng.randint(1, 4)):
+            if rng.random() < 0.3:
+                start = rng.randint(0, 5)
+                sentences.append(" ".join(_NUMBERS[start:start + rng.randint(3, 5)]) + " .")
+            else:
+                sentences.append(f"the {rng.choice(_COLORS)} {rng.choice(_ANIMALS)} ran to the {rng.choice(_PLACES)} .")
+        lines.append(" ".join(sentences))
+    return {"text": lines}
+
+
+def pattern_images(n: int, seed: int, image_size: int) -> dict[str, list]:
+    """uint8 RGB images of 4 classes (horizontal, vertical, checkerboard, diagonal stripes), random colour and noise."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:image_size, 0:image_size]
+    images, labels = [], []
+    for _ in range(n):
+        label = int(rng.integers(4))
+        period = int(rng.integers(max(2, image_size // 16), max(3, image_size // 4)))
+        y, x = (yy + int(rng.integers(period))) // period, (xx + int(rng.integers(period))) // period
+        d = (yy + xx + int(rng.integers(period))) // period
+        mask = [y, x, y + x, d][label] % 2
+        fg, bg = rng.integers(0, 256, 3), rng.integers(0, 256, 3)
+        img = np.where(mask[..., None] == 1, fg, bg) + rng.normal(0, 20, (image_size, image_size, 3))
+        images.append(np.clip(img, 0, 255).astype(np.uint8))
+        labels.append(label)
+    return {"image": images, "label": labels}
+
+
+BUILTIN_SIZES = {"train": 2000, "validation": 400}
+
+
+def builtin_split(task: str, split: str) -> dict[str, list]:
+    """The built-in data: 2000 training and 400 validation examples, the same on every machine."""
+    n, seed = BUILTIN_SIZES[split], {"train": 1, "validation": 2}[split]
+    if task == "text-classification":
+        return sentiment_dataset(n, seed)
+    if task == "causal-lm":
+        return story_dataset(n, seed)
+    return pattern_images(n, seed, image_size=32)  # resized to the model's size on the fly
+
+
+# ---------------------------------------------------------------- user data: files, folders, hub
+_TEXT_GUESSES = ("text", "sentence", "content", "review", "document")
+_IMAGE_GUESSES = ("image", "img", "pixel_values", "picture")
+_LABEL_GUESSES = ("label", "labels", "class", "target")
+_FILE_TYPES = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Missing paths and mixed sources fail before any model is built."""
+    for flag in ("train_file", "validation_file", "train_dir", "validation_dir"):
+        path = getattr(args, flag)
+        if path and not Path(path).exists():
+            raise SystemExit(f"--{flag} {path!r} does not exist. Pass an existing path (relative to {Path.cwd()}).")
+    for flag in ("train_file", "validation_file"):
+        path = getattr(args, flag)
+        if path:
+            kind = _FILE_TYPES.get(Path(path).suffix.lower())
+            if kind is None:
+                raise SystemExit(f"--{flag} {path!r}: unknown file type. Use one of {sorted(_FILE_TYPES)}.")
+            if kind == "text" and args.task != "causal-lm":
+                raise SystemExit(f"--{flag} {path!r}: .txt has no labels; it serves --task causal-lm only. "
+                                 "Use csv, json/jsonl or parquet with a label column.")
+    if (args.train_dir or args.validation_dir) and args.task != "image-classification":
+        raise SystemExit("--train_dir/--validation_dir are image folders: use them with --task image-classification.")
+    sources = [s for s in ("dataset_name", "train_file", "train_dir") if getattr(args, s)]
+    if len(sources) > 1:
+        raise SystemExit(f"Pass one data source, not {', '.join('--' + s for s in sources)}.")
+    if args.validation_file and not args.train_file:
+        raise SystemExit("--validation_file needs --train_file.")
+    if args.validation_dir and not args.train_dir:
+        raise SystemExit("--validation_dir needs --train_dir.")
+
+
+def load_raw_splits(args: argparse.Namespace) -> tuple[object, object, str]:
+    """Train and validation splits (HF Datasets, or dicts of lists for the built-in data) and where they came from."""
+    import datasets
+
+    if args.train_dir:
+        train = image_folder(args.train_dir)
+        val = image_folder(args.validation_dir, classes=train["classes"]) if args.validation_dir else None
+        source = f"image folder {args.train_dir}"
+    elif args.train_file:
+        files = {"train": args.train_file}
+        if args.validation_file:
+            files["validation"] = args.validation_file
+        kind = _FILE_TYPES[Path(args.train_file).suffix.lower()]
+        loaded = datasets.load_dataset(kind, data_files=files)
+        train, val = loaded["train"], loaded.get("validation")
+        source = f"file {args.train_file}"
+    elif args.dataset_name:
+        loaded = datasets.load_dataset(args.dataset_name, args.dataset_config_name,
+                                       trust_remote_code=args.trust_remote_code or None)
+        val_name = next((s for s in ("validation", "valid", "test") if s in loaded), None)
+        train, val = loaded["train"], loaded[val_name] if val_name else None
+        source = f"hub dataset {args.dataset_name}"
+    else:
+        return builtin_split(args.task, "train"), builtin_split(args.task, "validation"), "built-in offline dataset"
+    if isinstance(train, dict):  # image folder
+        if val is None:
+            train, val = _split_dict(train, seed=args.seed)
+        return train, val, source
+    if len(train) == 0:
+        raise SystemExit(f"The training data ({source}) is empty.")
+    if val is None:  # hold out 10% for evaluation, the same rows for every seed
+        parts = train.train_test_split(test_size=0.1, seed=0)
+        train, val = parts["train"], parts["test"]
+    return train, val, source
+
+
+def _split_dict(d: dict[str, list], seed: int) -> tuple[dict, dict]:
+    n = len(d["label"])
+    order = random.Random(0).sample(range(n), n)
+    cut = max(1, n // 10)
+    pick = lambda idx: {"image": [d["image"][i] for i in idx], "label": [d["label"][i] for i in idx],  # noqa: E731
+                        "classes": d["classes"]}
+    return pick(order[cut:]), pick(order[:cut])
+
+
+def image_folder(root: str, classes: list[str] | None = None) -> dict[str, list]:
+    """Paths and labels from root/<class>/<image>; classes sorted by name, as torchvision's ImageFolder does."""
+    root_path = Path(root)
+    found = sorted(p.name for p in root_path.iterdir() if p.is_dir())
+    if not found:
+        raise SystemExit(f"{root!r} holds no class subfolders. Lay images out as {root}/<class_name>/<image>.png.")
+    classes = classes or found
+    unknown = set(found) - set(classes)
+    if unknown:
+        raise SystemExit(f"{root!r} has classes {sorted(unknown)} that the training folder lacks.")
+    paths, labels = [], []
+    for label, name in enumerate(classes):
+        for p in sorted((root_path / name).glob("*")):
+            if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"):
+                paths.append(str(p))
+                labels.append(label)
+    if not paths:
+        raise SystemExit(f"{root!r} holds no images (png, jpg, jpeg, bmp, gif, webp).")
+    return {"image": paths, "label": labels, "classes": classes}
+
+
+def pick_column(columns: list[str], wanted: str | None, guesses: tuple[str, ...], what: str, flag: str) -> str:
+    """The named column, or the first common name present; a clear error naming the columns that exist."""
+    if wanted:
+        if wanted not in columns:
+            raise SystemExit(f"--{flag} {wanted!r} is not a column of the data. Columns: {columns}. "
+                             f"Pass --{flag} with one of them.")
+        return wanted
+    for name in guesses:
+        if name in columns:
+            return name
+    raise SystemExit(f"Found no {what} column among {columns}. Pass --{flag} naming it.")
+
+
+def column_names(split: object) -> list[str]:
+    return list(split.keys()) if isinstance(split, dict) else list(split.column_names)
+
+
+# ---------------------------------------------------------------- tokenizers
+SPECIAL_TOKENS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+                  "mask_token": "[MASK]", "bos_token": "[BOS]", "eos_token": "[EOS]"}
+
+
+def build_word_tokenizer(texts: list[str], task: str, vocab_size: int = 8000):
+    """A word-level tokenizer trained on the training texts, for models built from a config (no download)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = list(SPECIAL_TOKENS.values())
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=specials))
+    if task == "causal-lm":
+        template = processors.TemplateProcessing(single="[BOS] $A [EOS]", special_tokens=[
+            ("[BOS]", tok.token_to_id("[BOS]")), ("[EOS]", tok.token_to_id("[EOS]"))])
+    else:
+        template = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+                                                 special_tokens=[("[CLS]", tok.token_to_id("[CLS]")),
+                                                                 ("[SEP]", tok.token_to_id("[SEP]"))])
+    tok.post_processor = template
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+
+
+# ---------------------------------------------------------------- images to tensors
+class ImageDataset(torch.utils.data.Dataset):
+    """uint8 arrays or image paths -> normalized pixel_values at the model's size."""
+
+    def __init__(self, images: list, labels: list[int], image_size: int, mean: list[float], std: list[float]):
+        self.images, self.labels, self.size = images, labels, image_size
+        self.mean = torch.tensor(mean).view(3, 1, 1)
+        self.std = torch.tensor(std).view(3, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        img = self.images[i]
+        if not isinstance(img, np.ndarray):
+            from PIL import Image
+
+            pil = img if isinstance(img, Image.Image) else Image.open(img)
+            img = np.asarray(pil.convert("RGB").resize((self.size, self.size)))
+        elif img.shape[0] != self.size:
+            from PIL import Image
+
+            img = np.asarray(Image.fromarray(img).resize((self.size, self.size)))
+        x = torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1).float() / 255.0
+        return {"pixel_values": (x - self.mean) / self.std, "labels": torch.tensor(self.labels[i])}
+
+
+# ---------------------------------------------------------------- iterating
+def endless_batches(accelerator, dataloader, start_batch: int = 0) -> Iterator[dict]:
+    """Batches across epochs, starting after `start_batch` batches: the data position a checkpoint resumes from.
+
+    The shuffle is seeded by (seed, epoch), so batch k is the same batch whether or not the run was interrupted.
+    """
+    per_epoch = len(dataloader)
+    epoch, skip = divmod(start_batch, per_epoch)
+    while True:
+        dataloader.set_epoch(epoch)
+        loader = accelerator.skip_first_batches(dataloader, skip) if skip else dataloader
+        yield from loader
+        epoch, skip = epoch + 1, 0

@@ -1,0 +1,227 @@
+"""What a run costs, measured: bytes on the live tensors, peak memory per process, time, and the dtype really used."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import resource
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+# ---------------------------------------------------------------- bytes on live tensors
+
+
+def _storage(t: torch.Tensor) -> tuple[tuple, int] | None:
+    if t.device.type == "meta":
+        return None
+    s = t.untyped_storage()
+    return (str(t.device), s.data_ptr()), s.nbytes()
+
+
+def _walk(obj: object, path: str, seen_objs: set[int], depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor reachable from an optimizer (its state, and DeepSpeed's or bitsandbytes' own buffers)."""
+    if depth > 8 or id(obj) in seen_objs or isinstance(obj, nn.Module):
+        return
+    seen_objs.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _walk(v, f"{path}.{k if isinstance(k, (str, int)) else 'key'}", seen_objs, depth + 1)
+    elif isinstance(obj, (list, tuple, set)):
+        for v in obj:
+            yield from _walk(v, path, seen_objs, depth + 1)
+    elif type(obj).__module__.split(".")[0] in ("torch", "deepspeed", "bitsandbytes", "accelerate", "torchao",
+                                                "transformers", "peft", "shared", "__main__"):
+        for k, v in getattr(obj, "__dict__", {}).items():
+            yield from _walk(v, f"{path}.{k}", seen_objs, depth + 1)
+
+
+def state_bytes(model: nn.Module, optimizer: object | None = None) -> dict[str, int]:
+    """Parameter, gradient and optimizer-state bytes of this process, each storage counted once.
+
+    Parameters include DeepSpeed ZeRO-3 partitions (`ds_tensor`). Tensors reachable from the optimizer count as
+    gradients when their attribute path names a gradient (ZeRO's gradient partitions), else as optimizer state
+    (moments, fp32 master weights, quantization constants).
+    """
+    seen: set[tuple] = set()
+
+    def add(t: torch.Tensor | None) -> int:
+        st = _storage(t) if isinstance(t, torch.Tensor) else None
+        if st is None or st[0] in seen:
+            return 0
+        seen.add(st[0])
+        return st[1]
+
+    params = list(model.parameters())
+    param_bytes = sum(add(p) + add(getattr(p, "ds_tensor", None)) for p in params)
+    grad_bytes = sum(add(p.grad) for p in params)
+    opt_bytes = 0
+    if optimizer is not None:
+        for path, t in _walk(optimizer, "optimizer", set()):
+            n = add(t)
+            if re.search(r"grad", path, re.IGNORECASE) and "grad_scaler" not in path:
+                grad_bytes += n
+            else:
+                opt_bytes += n
+    return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_state_bytes": opt_bytes}
+
+
+# ---------------------------------------------------------------- peak memory of this process
+
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: allocator peak on GPU; on Linux CPU, the kernel's resident-set high-water mark."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError):
+        _CLEAR_REFS.write_text("5")  # resets VmHWM (Linux >= 4.0)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Max allocated bytes on GPU; peak resident set size (VmHWM) of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    with contextlib.suppress(OSError):
+        m = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
+        if m:
+            return int(m.group(1)) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@contextlib.contextmanager
+def saved_activation_bytes(model: nn.Module) -> Iterator[dict[str, int]]:
+    """Bytes autograd keeps for backward inside the block (parameters excluded, each storage once).
+
+    Checkpointed regions keep only their inputs: non-reentrant checkpointing installs its own hooks there.
+    """
+    params = {_storage(p)[0] for p in model.parameters() if _storage(p) is not None}
+    seen: set[tuple] = set()
+    out = {"bytes": 0}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = _storage(t)
+        if st is not None and st[0] not in params and st[0] not in seen:
+            seen.add(st[0])
+            out["bytes"] += st[1]
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield out
+
+
+def observe_compute_dtype(model: nn.Module) -> Callable[[], str | None]:
+    """The dtype the first Linear layer really computes in (autocast included); read it after a forward."""
+    seen: dict[str, str] = {}
+    linear = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
+    if linear is None:
+        return lambda: None
+
+    def hook(_module, _inputs, output):
+        seen.setdefault("dtype", str(output.dtype).replace("torch.", ""))
+
+    handle = linear.register_forward_hook(hook)
+
+    def read() -> str | None:
+        handle.remove()
+        return seen.get("dtype")
+
+    return read
+
+
+# ---------------------------------------------------------------- the training-loop meter
+
+
+class Meter:
+    """Progress bar (main process only), loss logging to the trackers, throughput, memory and state bytes."""
+
+    def __init__(self, accelerator, args, task, model: nn.Module, optimizer: object):
+        self.accelerator, self.args, self.task = accelerator, args, task
+        self.model, self.optimizer = model, optimizer
+        self.samples = self.tokens = 0
+        self.timed_steps = 0
+        self.elapsed = 0.0
+        self.window: list[torch.Tensor] = []
+        self.initial_loss: float | None = None
+        self.last_loss: float | None = None
+        self.state: dict[str, int] | None = None
+        self.extras: dict[str, object] = {}
+        self._read_dtype = observe_compute_dtype(model)
+        self._warmup = True
+
+    def steps(self, start: int, stop: int) -> Iterator[int]:
+        """Optimizer steps start..stop-1. The first step of a run is warm-up and is left out of the timing."""
+        bar = tqdm(range(start, stop), initial=start, total=stop, desc="train",
+                   disable=not self.accelerator.is_local_main_process, dynamic_ncols=True)
+        reset_peak_memory(self.accelerator.device)
+        self.bar = bar
+        first = True
+        for step in bar:
+            self._warmup = first
+            t0 = time.perf_counter()
+            yield step
+            self._sync()
+            if not first:
+                self.elapsed += time.perf_counter() - t0
+                self.timed_steps += 1
+            first = False
+        bar.close()
+
+    def _sync(self) -> None:
+        if self.accelerator.device.type == "cuda":
+            torch.cuda.synchronize(self.accelerator.device)
+
+    def record(self, step: int, loss: torch.Tensor, batches: dict | list[dict]) -> None:
+        """Call once per optimizer step, after optimizer.step() and before zero_grad(): state bytes are counted on
+        the first call, while parameters, gradients and optimizer state all exist."""
+        batches = batches if isinstance(batches, list) else [batches]
+        if not self._warmup:  # the same steps as the timing
+            self.samples += sum(len(b["labels"]) for b in batches)
+            self.tokens += sum(self.task.tokens_in(b) for b in batches)
+        if self.state is None:
+            self.state = state_bytes(self.model, self.optimizer)
+        self.window.append(loss.detach().float())
+        if len(self.window) >= self.args.logging_steps or step + 1 == self.bar.total:
+            self._log(step + 1)
+
+    def _log(self, step: int) -> None:
+        mean = self.accelerator.reduce(torch.stack(self.window).mean().to(self.accelerator.device), "mean").item()
+        if self.initial_loss is None:
+            self.initial_loss = self.window[0].item()
+        self.window.clear()
+        self.last_loss = mean
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.accelerator.log({"train/loss": mean, "train/lr": lr}, step=step)
+        self.bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}")
+
+    def summary(self) -> dict[str, object]:
+        """The measured fields of results.json; memory figures are lists indexed by process rank."""
+        from accelerate.utils import gather_object
+
+        per_process = {"peak_memory_bytes": peak_memory_bytes(self.accelerator.device), **(self.state or {})}
+        gathered = gather_object([per_process])
+        fields = {k: [g[k] for g in gathered] for k in per_process}
+        totals = self.accelerator.reduce(
+            torch.tensor([self.samples, self.tokens], dtype=torch.float64, device=self.accelerator.device), "sum")
+        seconds = self.elapsed or float("nan")
+        return {
+            "initial_loss": self.accelerator.reduce(
+                torch.tensor(self.initial_loss or float("nan"), device=self.accelerator.device), "mean").item(),
+            "train_loss": self.last_loss,
+            "train_runtime": self.elapsed,
+            "seconds_per_step": seconds / max(1, self.timed_steps),
+            "train_samples_per_second": totals[0].item() / seconds,
+            "train_tokens_per_second": totals[1].item() / seconds,
+            "compute_dtype": self._read_dtype(),
+            **fields,
+        }
+

@@ -1,0 +1,81 @@
+"""Models for the three families: built-in presets (no download), hub ids and local directories."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageClassification,
+    AutoModelForSequenceClassification,
+    BertConfig,
+    GPT2Config,
+    PretrainedConfig,
+    ViTConfig,
+)
+
+AUTO_CLASSES = {
+    "text-classification": AutoModelForSequenceClassification,
+    "causal-lm": AutoModelForCausalLM,
+    "image-classification": AutoModelForImageClassification,
+}
+
+
+def preset_config(task: str, preset: str, vocab_size: int = 30522, num_labels: int = 2) -> PretrainedConfig:
+    """tiny: trains in seconds on CPU. base: BERT-base, GPT-2 124M and ViT-B/16 dimensions with random weights."""
+    if task == "text-classification":
+        dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                    max_position_embeddings=128, vocab_size=vocab_size) if preset == "tiny" else {}
+        return BertConfig(num_labels=num_labels, **dims)
+    if task == "causal-lm":
+        dims = dict(n_embd=64, n_layer=2, n_head=2, n_positions=128, vocab_size=vocab_size) if preset == "tiny" else {}
+        return GPT2Config(**dims)
+    dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                image_size=32, patch_size=8) if preset == "tiny" else {}
+    return ViTConfig(num_labels=num_labels, **dims)
+
+
+def model_source(args: argparse.Namespace) -> str:
+    """What the run trains, as results.json names it."""
+    return args.model_name_or_path or f"preset:{args.model_preset}"
+
+
+def check_model_path(name: str | None) -> None:
+    """A path that does not exist fails now, not after a hub lookup that cannot succeed."""
+    if name and not Path(name).expanduser().exists() and name.startswith(("/", ".", "~")):
+        raise SystemExit(f"--model_name_or_path {name!r} does not exist. Pass an existing directory, a hub id, "
+                         "or leave it unset to build a model from --model_preset.")
+
+
+def load_pretrained_config(args: argparse.Namespace, **overrides: object) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code,
+                                          **overrides)
+    except OSError as err:
+        raise SystemExit(f"Could not load {args.model_name_or_path!r}: it is not a local directory and the hub did "
+                         f"not serve it ({err.__class__.__name__}: {str(err).splitlines()[0]}). Check the id or the "
+                         "network, pass a local directory, or leave it unset to use --model_preset.") from None
+
+
+def build_model(args: argparse.Namespace, config: PretrainedConfig) -> nn.Module:
+    """From the hub or a directory when --model_name_or_path is set, else from `config` with random weights."""
+    auto = AUTO_CLASSES[args.task]
+    if args.disable_dropout:
+        for key, value in config.to_dict().items():
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(config, key, 0.0)
+    if args.model_name_or_path:
+        return auto.from_pretrained(args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code)
+    return auto.from_config(config)
+
+
+def transformer_layers(model: nn.Module) -> nn.ModuleList:
+    """The stack of transformer blocks (BERT/ViT encoder.layer, GPT-2 transformer.h, Llama model.layers ...)."""
+    n = getattr(model.config, "num_hidden_layers", None)
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n:
+            return module
+    raise ValueError(f"Found no ModuleList of {n} transformer blocks in {type(model).__name__}.")

@@ -1,0 +1,33 @@
+"""The optimizer and learning-rate schedule every recipe starts from, and how many steps to run."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+
+def optimizer_and_scheduler(args: argparse.Namespace, model: torch.nn.Module, max_steps: int,
+                            optimizer_cls: type = torch.optim.AdamW) -> tuple[torch.optim.Optimizer, LRScheduler]:
+    """AdamW-style optimizer without weight decay on biases and norms, and the --lr_scheduler_type schedule."""
+    from transformers import get_scheduler
+
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = optimizer_cls([g for g in groups if g["params"]], lr=args.learning_rate)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.num_warmup_steps,
+                              num_training_steps=max_steps)
+    return optimizer, scheduler
+
+
+def total_steps(args: argparse.Namespace, accelerator, train_dataloader) -> int:
+    """--max_train_steps, or the optimizer steps in --num_train_epochs; stored back in args.max_train_steps."""
+    if not args.max_train_steps:
+        per_process = math.ceil(len(train_dataloader) / accelerator.num_processes)
+        args.max_train_steps = max(1, math.ceil(args.num_train_epochs * per_process / args.gradient_accumulation_steps))
+    return args.max_train_steps

@@ -1,0 +1,69 @@
+"""The end of every run: evaluation, results.json (the contract tests and benchmarks read), the saved model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("recipes")
+
+REQUIRED_FIELDS = (
+    "recipe", "task", "model", "num_processes", "mixed_precision", "distributed_type", "train_loss",
+    "train_samples_per_second", "train_tokens_per_second", "peak_memory_bytes", "param_bytes", "grad_bytes",
+    "optimizer_state_bytes",
+)
+
+
+def finish(accelerator, args: argparse.Namespace, recipe: str, task, model: torch.nn.Module, eval_dataloader,
+           meter, extras: dict | None = None) -> dict:
+    """Evaluate, write results.json, save the model as safetensors, close the trackers. Returns the results."""
+    metrics = task.evaluate(model, eval_dataloader, accelerator)
+    results = {
+        "recipe": recipe,
+        "task": task.name,
+        "model": task.model_id,
+        "data": task.data_source,
+        "num_processes": accelerator.num_processes,
+        "distributed_type": accelerator.distributed_type.value,
+        "mixed_precision": accelerator.mixed_precision,
+        "max_train_steps": args.max_train_steps,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        **meter.summary(),
+        **metrics,
+        **meter.extras,
+        **(extras or {}),
+    }
+    results = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in results.items()}
+    accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}, step=args.max_train_steps)
+    if not args.no_save_model:
+        save_model(accelerator, model, task, args.output_dir)
+    if accelerator.is_main_process:
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "results.json.tmp"
+        tmp.write_text(json.dumps(results, indent=2))
+        os.replace(tmp, out / "results.json")
+        logger.info("results: %s", {k: results[k] for k in ("train_loss", *metrics) if k in results})
+        logger.info("wrote %s", out / "results.json")
+    accelerator.end_training()
+    return results
+
+
+def save_model(accelerator, model: torch.nn.Module, task, output_dir: str) -> None:
+    """One consolidated model in safetensors that `from_pretrained` loads, whatever held the shards."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 / FSDP shards; a collective on all processes
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict,
+                              save_function=accelerator.save, safe_serialization=True)
+    if accelerator.is_main_process:
+        task.save_preprocessing(output_dir)
+        logger.info("saved model to %s", output_dir)
+    accelerator.wait_for_everyone()

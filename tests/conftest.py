@@ -1,0 +1,90 @@
+"""Run recipes as a user does: in-process through main() for one process, `accelerate launch` for several."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "accelerate_configs"
+QUIET = ["--report_to", "none"]
+
+
+def _reset_accelerate() -> None:
+    # Accelerate keeps process-wide singletons; each in-process run must start from a clean state.
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def load_recipe(name: str):
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_recipe(name: str, output_dir: Path, *args: str) -> dict:
+    """main() of recipes/<name>.py in this process; returns the results it wrote to results.json."""
+    _reset_accelerate()
+    try:
+        returned = load_recipe(name).main([*map(str, args), *QUIET, "--output_dir", str(output_dir)])
+    finally:
+        _reset_accelerate()
+    written = json.loads((Path(output_dir) / "results.json").read_text())
+    assert written["recipe"] == returned["recipe"]
+    return written
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(name: str, output_dir: Path, *args: str, config: str | None = "multi_cpu.yaml",
+           launch_args: tuple[str, ...] = (), env: dict | None = None, timeout: int = 600,
+           expect_fail: bool = False) -> dict | subprocess.CompletedProcess:
+    """`accelerate launch [--config_file accelerate_configs/<config>] recipes/<name>.py ...` in a subprocess.
+
+    Returns results.json, or the finished process when expect_fail (then it must have failed).
+    """
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    if config:
+        cmd += ["--config_file", str(CONFIGS / config)]
+    cmd += ["--main_process_port", str(free_port()), *launch_args,
+            str(ROOT / "recipes" / f"{name}.py"), *map(str, args), *QUIET, "--output_dir", str(output_dir)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if expect_fail:
+        assert proc.returncode != 0, f"expected a failure, got success:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        return proc
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads((Path(output_dir) / "results.json").read_text())
+
+
+def load_params(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), f"different parameters: {sorted(a.keys() ^ b.keys())[:5]}"
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    # Tests on 2 cores: keep in-process runs from fighting with launched subprocesses.
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    yield
