@@ -33,6 +33,8 @@ RECIPE = "activation_checkpointing"
 
 def recipe_args(p):
     p.add_argument("--checkpointing_impl", default="hf", choices=("hf", "torch"))
+    p.add_argument("--no_probe", action="store_true",
+                   help="Skip the with/without comparison step (its buffers would raise this run's peak memory).")
 
 
 class CheckpointedBlock(nn.Module):
@@ -83,18 +85,14 @@ def measure_step(task, model: nn.Module, batch: dict) -> tuple[int, float, list[
     return saved["bytes"], best, grads
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv, recipe_args, description=__doc__)
-    accelerator = build_accelerator(args, RECIPE)
-    task = load_task(args, accelerator)
-
-    # One step on the same batch without, then with checkpointing: what it saves, what it costs.
-    task.model.to(accelerator.device).train()
-    probe = {k: v.to(accelerator.device) for k, v in next(iter(task.train_dataloader)).items()}
-    plain_bytes, plain_s, plain_grads = measure_step(task, task.model, probe)
-    enable_checkpointing(task.model, args.checkpointing_impl)
-    ckpt_bytes, ckpt_s, ckpt_grads = measure_step(task, task.model, probe)
-    probe_results = {
+def compare_one_step(task, device, impl: str) -> dict:
+    model = task.model.to(device).train()
+    batch = {k: v.to(device) for k, v in next(iter(task.train_dataloader)).items()}
+    plain_bytes, plain_s, plain_grads = measure_step(task, model, batch)
+    enable_checkpointing(model, impl)
+    ckpt_bytes, ckpt_s, ckpt_grads = measure_step(task, model, batch)
+    disable_checkpointing(model, impl)
+    return {
         "activation_bytes_without_checkpointing": plain_bytes,
         "activation_bytes_with_checkpointing": ckpt_bytes,
         "activation_bytes_saved": plain_bytes - ckpt_bytes,
@@ -102,6 +100,16 @@ def main(argv=None) -> dict:
         "max_abs_grad_diff_vs_no_checkpointing": max(
             (a - b).abs().max().item() for a, b in zip(plain_grads, ckpt_grads, strict=True)),
     }
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, recipe_args, description=__doc__)
+    accelerator = build_accelerator(args, RECIPE)
+    task = load_task(args, accelerator)
+
+    # What checkpointing saves and costs, measured on one batch without and with it.
+    probe_results = {} if args.no_probe else compare_one_step(task, accelerator.device, args.checkpointing_impl)
+    enable_checkpointing(task.model, args.checkpointing_impl)
     max_steps = total_steps(args, accelerator, task.train_dataloader)
     optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
 

@@ -54,17 +54,17 @@ def story_dataset(n: int, seed: int) -> dict[str, list]:
 
 
 def pattern_images(n: int, seed: int, image_size: int) -> dict[str, list]:
-    """uint8 RGB images of 4 classes (horizontal, vertical, checkerboard, diagonal stripes), random colour and noise."""
+    """uint8 RGB images of 4 classes (horizontal, vertical, checkerboard, diagonal stripes), random colours, noise."""
     rng = np.random.default_rng(seed)
     yy, xx = np.mgrid[0:image_size, 0:image_size]
     images, labels = [], []
     for _ in range(n):
         label = int(rng.integers(4))
-        period = int(rng.integers(max(2, image_size // 16), max(3, image_size // 4)))
+        period = int(rng.choice([2, 4])) * max(1, image_size // 32)
         y, x = (yy + int(rng.integers(period))) // period, (xx + int(rng.integers(period))) // period
         d = (yy + xx + int(rng.integers(period))) // period
         mask = [y, x, y + x, d][label] % 2
-        fg, bg = rng.integers(0, 256, 3), rng.integers(0, 256, 3)
+        fg, bg = rng.integers(140, 256, 3), rng.integers(0, 110, 3)  # light stripes on a dark ground
         img = np.where(mask[..., None] == 1, fg, bg) + rng.normal(0, 20, (image_size, image_size, 3))
         images.append(np.clip(img, 0, 255).astype(np.uint8))
         labels.append(label)
@@ -249,7 +249,7 @@ class ImageDataset(torch.utils.data.Dataset):
             from PIL import Image
 
             img = np.asarray(Image.fromarray(img).resize((self.size, self.size)))
-        x = torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1).float() / 255.0
+        x = torch.from_numpy(np.array(img)).permute(2, 0, 1).float() / 255.0  # np.array: a writable copy
         return {"pixel_values": (x - self.mean) / self.std, "labels": torch.tensor(self.labels[i])}
 
 

@@ -73,6 +73,16 @@ def state_bytes(model: nn.Module, optimizer: object | None = None) -> dict[str, 
     return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_state_bytes": opt_bytes}
 
 
+def param_fingerprint(model: nn.Module) -> float:
+    """A number that differs when this process's parameters differ: equal on every rank iff replicas are in sync."""
+    with torch.no_grad():
+        total = torch.zeros((), dtype=torch.float64)
+        for i, p in enumerate(model.parameters()):
+            if p.numel():
+                total += (p.detach().double().flatten().cpu() * (1 + (torch.arange(p.numel()) % 7))).sum() * (i + 1)
+    return total.item()
+
+
 # ---------------------------------------------------------------- peak memory of this process
 
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -164,6 +174,7 @@ class Meter:
                    disable=not self.accelerator.is_local_main_process, dynamic_ncols=True)
         reset_peak_memory(self.accelerator.device)
         self.bar = bar
+        self.extras["resumed_from_step"] = start
         first = True
         for step in bar:
             self._warmup = first
@@ -207,7 +218,8 @@ class Meter:
         """The measured fields of results.json; memory figures are lists indexed by process rank."""
         from accelerate.utils import gather_object
 
-        per_process = {"peak_memory_bytes": peak_memory_bytes(self.accelerator.device), **(self.state or {})}
+        per_process = {"peak_memory_bytes": peak_memory_bytes(self.accelerator.device), **(self.state or {}),
+                       "param_fingerprint": param_fingerprint(self.model)}
         gathered = gather_object([per_process])
         fields = {k: [g[k] for g in gathered] for k in per_process}
         totals = self.accelerator.reduce(

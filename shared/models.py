@@ -24,15 +24,19 @@ AUTO_CLASSES = {
 }
 
 
-def preset_config(task: str, preset: str, vocab_size: int = 30522, num_labels: int = 2) -> PretrainedConfig:
-    """tiny: trains in seconds on CPU. base: BERT-base, GPT-2 124M and ViT-B/16 dimensions with random weights."""
+def preset_config(task: str, preset: str, vocab_size: int = 30522, num_labels: int = 2,
+                  **token_ids: int | None) -> PretrainedConfig:
+    """tiny: trains in seconds on CPU. base: BERT-base, GPT-2 124M and ViT-B/16 dimensions with random weights.
+
+    token_ids: pad/bos/eos ids of the tokenizer the model is built for.
+    """
     if task == "text-classification":
         dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                     max_position_embeddings=128, vocab_size=vocab_size) if preset == "tiny" else {}
-        return BertConfig(num_labels=num_labels, **dims)
+        return BertConfig(num_labels=num_labels, **dims, **token_ids)
     if task == "causal-lm":
         dims = dict(n_embd=64, n_layer=2, n_head=2, n_positions=128, vocab_size=vocab_size) if preset == "tiny" else {}
-        return GPT2Config(**dims)
+        return GPT2Config(**dims, **token_ids)
     dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                 image_size=32, patch_size=8) if preset == "tiny" else {}
     return ViTConfig(num_labels=num_labels, **dims)

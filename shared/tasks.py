@@ -172,8 +172,7 @@ def _text_classification(args, accelerator, train_raw, val_raw, source) -> Task:
         config = models.load_pretrained_config(args, num_labels=num_labels, **extra)
     else:
         config = models.preset_config(args.task, args.model_preset, vocab_size=_vocab(tokenizer, args),
-                                      num_labels=num_labels)
-        config.pad_token_id = tokenizer.pad_token_id
+                                      num_labels=num_labels, pad_token_id=tokenizer.pad_token_id)
         if mapping:
             config.id2label = dict(enumerate(mapping))
     model = models.build_model(args, config)
@@ -216,9 +215,9 @@ def _causal_lm(args, accelerator, train_raw, val_raw, source) -> Task:
     if args.model_name_or_path:
         config = models.load_pretrained_config(args)
     else:
-        config = models.preset_config(args.task, args.model_preset, vocab_size=_vocab(tokenizer, args))
-        config.pad_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
-        config.eos_token_id = tokenizer.eos_token_id
+        config = models.preset_config(args.task, args.model_preset, vocab_size=_vocab(tokenizer, args),
+                                      pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id)
     positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if positions and args.max_seq_length > positions:
         raise SystemExit(f"--max_seq_length {args.max_seq_length} exceeds the model's {positions} positions. "
