@@ -28,7 +28,7 @@ RECIPE = "gradient_accumulation"
 
 def main(argv=None) -> dict:
     args = parse_args(argv, description=__doc__, gradient_accumulation_steps=4)
-    accelerator = build_accelerator(args, RECIPE)
+    accelerator = build_accelerator(args, RECIPE, accumulates=True)
     task = load_task(args, accelerator)
     max_steps = total_steps(args, accelerator, task.train_dataloader)
     optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)

@@ -58,10 +58,13 @@ def parse_args(
     g.add_argument("--mixed_precision", default=None, choices=("no", "fp16", "bf16"),
                    help="Unset: the accelerate config's value, else the recipe's default.")
     g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--ddp_timeout", type=int, default=1800,
+                   help="Seconds a process waits for the others in a collective before failing.")
 
     g = p.add_argument_group("output")
     g.add_argument("--output_dir", default=None, help="Default: outputs/<recipe>-<task>.")
     g.add_argument("--checkpointing_steps", type=int, default=None, help="Save a resumable checkpoint every N steps.")
+    g.add_argument("--save_total_limit", type=int, default=None, help="Keep only the newest N checkpoints.")
     g.add_argument("--resume_from_checkpoint", default=None, help="A checkpoint directory, or 'latest' in output_dir.")
     g.add_argument("--report_to", default="tensorboard", help="Tracker(s) for Accelerate, comma-separated, or 'none'.")
     g.add_argument("--logging_steps", type=int, default=10)

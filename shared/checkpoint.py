@@ -1,26 +1,84 @@
-"""Resumable checkpoints: Accelerate's full training state plus the step and data position, written atomically."""
+"""Resumable checkpoints: Accelerate's full training state plus the step and data position, written atomically,
+verified by a manifest, and written on SIGTERM/SIGINT before the process exits."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import shutil
+import signal
+import sys
 from pathlib import Path
+
+import torch
 
 logger = logging.getLogger("recipes")
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"
+_signal_received: list[int] = []
 
 
 def checkpoints_root(output_dir: str) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, micro_batches: int) -> Path:
+def install_preemption_handler() -> None:
+    """SIGTERM (a scheduler's preemption) and SIGINT set a flag; the next step boundary saves and exits.
+
+    A second SIGINT interrupts at once, as usual.
+    """
+
+    def handler(signum, _frame):
+        if signum == signal.SIGINT and _signal_received:
+            raise KeyboardInterrupt
+        _signal_received.append(signum)
+
+    _signal_received.clear()
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_manifest(directory: Path) -> None:
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (directory / MANIFEST).write_text(json.dumps(entries, indent=1))
+
+
+def verify_checkpoint(directory: Path) -> str | None:
+    """None if every file the manifest lists is there with its size and hash; else what is wrong."""
+    manifest = directory / MANIFEST
+    if not manifest.exists():
+        return f"no {MANIFEST} (the save did not finish)"
+    try:
+        entries = json.loads(manifest.read_text())
+    except json.JSONDecodeError:
+        return f"{MANIFEST} is unreadable"
+    for name, meta in entries.items():
+        path = directory / name
+        if not path.exists():
+            return f"{name} is missing"
+        if path.stat().st_size != meta["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {meta['bytes']}"
+        if _sha256(path) != meta["sha256"]:
+            return f"{name} does not match its sha256"
+    return None
+
+
+def save_checkpoint(accelerator, output_dir: str, step: int, micro_batches: int, keep: int | None = None) -> Path:
     """Model, optimizer, scheduler, scaler and RNG states (Accelerate), plus where the data stood.
 
-    Written under a temporary name and renamed once complete, so a run killed mid-save never leaves a
-    checkpoint that looks whole.
+    Written under a temporary name, hashed into a manifest, then renamed: a run killed mid-save never leaves a
+    checkpoint that looks whole. `keep`: how many of the newest checkpoints to keep.
     """
     root = checkpoints_root(output_dir)
     final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
@@ -31,35 +89,60 @@ def save_checkpoint(accelerator, output_dir: str, step: int, micro_batches: int)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, "micro_batches": micro_batches}))
+        _write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         logger.info("saved checkpoint %s", final)
+        if keep:
+            for old in sorted(root.glob("step_*"))[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 
 
+def _preempted(accelerator) -> int:
+    """The signal any process received (0 if none), agreed by all processes so that all of them save and stop."""
+    local = _signal_received[0] if _signal_received else 0
+    if accelerator.num_processes == 1:
+        return local
+    return int(accelerator.reduce(torch.tensor(local, device=accelerator.device), "max").item())
+
+
 def maybe_save_checkpoint(accelerator, args: argparse.Namespace, step: int, micro_batches: int) -> None:
-    """Every --checkpointing_steps optimizer steps."""
-    if args.checkpointing_steps and step % args.checkpointing_steps == 0:
-        save_checkpoint(accelerator, args.output_dir, step, micro_batches)
+    """Every --checkpointing_steps optimizer steps, and at once after SIGTERM/SIGINT (then the run exits)."""
+    signum = _preempted(accelerator)
+    if (args.checkpointing_steps and step % args.checkpointing_steps == 0) or signum:
+        path = save_checkpoint(accelerator, args.output_dir, step, micro_batches, keep=args.save_total_limit)
+    if signum:
+        name = signal.Signals(signum).name
+        logger.warning("%s received: saved %s at step %d; continue with --resume_from_checkpoint latest",
+                       name, path, step)
+        accelerator.end_training()
+        sys.exit(128 + signum)
 
 
 def find_checkpoint(args: argparse.Namespace) -> Path | None:
-    """The directory --resume_from_checkpoint names ('latest': the newest complete one in output_dir)."""
+    """The directory --resume_from_checkpoint names ('latest': the newest one that verifies)."""
     wanted = args.resume_from_checkpoint
     if not wanted:
         return None
     if wanted == "latest":
-        done = sorted(p for p in checkpoints_root(args.output_dir).glob("step_*") if (p / STATE_FILE).exists())
-        if not done:
-            logger.warning("--resume_from_checkpoint latest: no checkpoint in %s; starting from scratch",
-                           checkpoints_root(args.output_dir))
-            return None
-        return done[-1]
+        for path in sorted(checkpoints_root(args.output_dir).glob("step_*"), reverse=True):
+            problem = verify_checkpoint(path)
+            if problem is None:
+                return path
+            logger.warning("skipping checkpoint %s: %s", path, problem)
+        logger.warning("--resume_from_checkpoint latest: no complete checkpoint in %s; starting from scratch",
+                       checkpoints_root(args.output_dir))
+        return None
     path = Path(wanted)
-    if not (path / STATE_FILE).exists():
-        raise SystemExit(f"--resume_from_checkpoint {wanted!r} is not a complete checkpoint (no {STATE_FILE}). "
-                         f"Pass a directory under {checkpoints_root(args.output_dir)} or 'latest'.")
+    if not path.is_dir():
+        raise SystemExit(f"--resume_from_checkpoint {wanted!r} does not exist. Pass a directory under "
+                         f"{checkpoints_root(args.output_dir)} or 'latest'.")
+    problem = verify_checkpoint(path)
+    if problem:
+        raise SystemExit(f"--resume_from_checkpoint {wanted!r} is not a complete checkpoint: {problem}. "
+                         "Pass another checkpoint, or 'latest' to take the newest complete one.")
     return path
 
 

@@ -130,7 +130,12 @@ def load_raw_splits(args: argparse.Namespace) -> tuple[object, object, str]:
         if args.validation_file:
             files["validation"] = args.validation_file
         kind = _FILE_TYPES[Path(args.train_file).suffix.lower()]
-        loaded = datasets.load_dataset(kind, data_files=files)
+        try:
+            loaded = datasets.load_dataset(kind, data_files=files)
+        except ValueError as err:  # datasets' words for a file with a header and no rows
+            if "corresponds to no data" in str(err):
+                raise SystemExit(f"The training data ({args.train_file}) is empty. Pass a file with rows.") from None
+            raise
         train, val = loaded["train"], loaded.get("validation")
         source = f"file {args.train_file}"
     elif args.dataset_name:

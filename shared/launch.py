@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
+
+from shared.checkpoint import install_preemption_handler
 
 logger = logging.getLogger("recipes")
 
@@ -39,13 +42,19 @@ def build_accelerator(
     args: argparse.Namespace,
     recipe: str,
     default_mixed_precision: str = "no",
+    accumulates: bool = False,
     **accelerator_kwargs: object,
 ) -> Accelerator:
     """An Accelerator that really does what the launch config asks, on GPUs and on CPU-only machines alike.
 
-    Fills args.output_dir and args.mixed_precision with the resolved values. Extra keyword arguments go to the
-    Accelerator (a recipe passes its DeepSpeed or FSDP plugin this way, in plain sight).
+    Fills args.output_dir and args.mixed_precision with the resolved values. `accumulates`: the recipe's loop
+    uses accelerator.accumulate; other recipes refuse --gradient_accumulation_steps > 1, since Accelerate would
+    still divide every loss by it. Extra keyword arguments go to the Accelerator (a recipe passes its DeepSpeed
+    or FSDP plugin this way, in plain sight).
     """
+    if args.gradient_accumulation_steps > 1 and not accumulates:
+        raise SystemExit(f"--gradient_accumulation_steps {args.gradient_accumulation_steps}: recipes/{recipe}.py does "
+                         "not accumulate gradients. Use recipes/gradient_accumulation.py, or drop the flag.")
     args.output_dir = args.output_dir or str(Path("outputs") / f"{recipe}-{args.task}")
     args.mixed_precision = resolve_mixed_precision(args, default_mixed_precision)
     world = launched_world_size()
@@ -56,13 +65,16 @@ def build_accelerator(
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
     kwargs_handlers = list(accelerator_kwargs.pop("kwargs_handlers", []))
+    # A process that dies or hangs makes the others fail after this long instead of waiting forever.
+    process_group = InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))
+    kwargs_handlers.append(process_group)
     uses_deepspeed = _env_true("ACCELERATE_USE_DEEPSPEED") or "deepspeed_plugin" in accelerator_kwargs
     uses_fsdp = _env_true("ACCELERATE_USE_FSDP") or "fsdp_plugin" in accelerator_kwargs
     cpu = False
     if on_cpu and world > 1:
         if uses_deepspeed:
             # Without GPUs Accelerate counts one process under DeepSpeed unless the process group is gloo.
-            kwargs_handlers.append(InitProcessGroupKwargs(backend="gloo"))
+            process_group.backend = "gloo"
         elif uses_fsdp:
             # On CPU Accelerate never enables FSDP: the replicas would train unsynced. Refuse rather than pretend.
             raise SystemExit(
@@ -74,10 +86,7 @@ def build_accelerator(
             # without it every process reports DistributedType.NO and trains its own unsynced copy.
             cpu = True
 
-    if args.report_to in ("none", "", None):
-        log_with = None
-    else:
-        log_with = [t.strip() for t in args.report_to.split(",") if t.strip()]
+    log_with = _trackers(args.report_to)
     accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=args.mixed_precision,
@@ -109,6 +118,7 @@ def build_accelerator(
     ):
         _enable_cpu_fp16(accelerator)
 
+    install_preemption_handler()
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         level=logging.INFO if accelerator.is_main_process else logging.WARNING,
@@ -123,6 +133,21 @@ def build_accelerator(
         accelerator.device, accelerator.mixed_precision, args.output_dir,
     )
     return accelerator
+
+
+def _trackers(report_to: str | None) -> list[str] | None:
+    """The trackers named by --report_to; Accelerate would drop a missing one with a mere warning."""
+    if report_to in ("none", "", None):
+        return None
+    from accelerate.tracking import _available_trackers
+
+    names = [t.strip() for t in report_to.split(",") if t.strip()]
+    available = {str(t.value) for t in _available_trackers}
+    missing = [n for n in names if n != "all" and n not in available]
+    if missing:
+        raise SystemExit(f"--report_to {','.join(missing)}: not installed. `pip install {' '.join(missing)}`, "
+                         f"or pick from the installed trackers {sorted(available)} or 'none'.")
+    return names
 
 
 def _enable_cpu_fp16(accelerator: Accelerator) -> None:

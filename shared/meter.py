@@ -97,6 +97,15 @@ def reset_peak_memory(device: torch.device) -> None:
         _CLEAR_REFS.write_text("5")  # resets VmHWM (Linux >= 4.0)
 
 
+def current_memory_bytes(device: torch.device) -> int:
+    """Allocated bytes on GPU; resident set size of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    with contextlib.suppress(OSError):
+        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+    return 0
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Max allocated bytes on GPU; peak resident set size (VmHWM) of this process on CPU."""
     if device.type == "cuda":
@@ -149,6 +158,8 @@ def observe_compute_dtype(model: nn.Module) -> Callable[[], str | None]:
 
 
 # ---------------------------------------------------------------- the training-loop meter
+MIN_LOSS_SCALE = 1.0  # from 2**16, 17 overflows in a row
+MOST_SKIPPED_WINDOW = 50
 
 
 class Meter:
@@ -165,6 +176,8 @@ class Meter:
         self.last_loss: float | None = None
         self.state: dict[str, int] | None = None
         self.extras: dict[str, object] = {}
+        self.skipped_history: list[bool] = []
+        self.memory_trace: list[int] = []  # this process's memory at each logging step: growth means a leak
         self._read_dtype = observe_compute_dtype(model)
         self._warmup = True
 
@@ -200,9 +213,39 @@ class Meter:
             self.tokens += sum(self.task.tokens_in(b) for b in batches)
         if self.state is None:
             self.state = state_bytes(self.model, self.optimizer)
+        self._guard(step + 1, loss)
         self.window.append(loss.detach().float())
         if len(self.window) >= self.args.logging_steps or step + 1 == self.bar.total:
             self._log(step + 1)
+
+    def _guard(self, step: int, loss: torch.Tensor) -> None:
+        """Stop on a non-finite loss, or on an fp16 loss scale that collapsed, with the state saved."""
+        acc = self.accelerator
+        if acc.mixed_precision == "fp16":
+            # Under fp16 an inf loss is an overflow that the scaler skips; what must not happen is the scale
+            # collapsing, or most steps being skipped: fp16's range is then too narrow for this model.
+            if acc.scaler is None:
+                return
+            self.skipped_history.append(bool(getattr(self.optimizer, "step_was_skipped", False)))
+            recent = self.skipped_history[-MOST_SKIPPED_WINDOW:]
+            scale = acc.scaler.get_scale()
+            if scale < MIN_LOSS_SCALE or (len(recent) == MOST_SKIPPED_WINDOW and sum(recent) > len(recent) // 2):
+                self._stop(step, f"fp16 loss scale collapsed to {scale:g} ({sum(recent)} of the last {len(recent)} "
+                           "steps skipped for overflow): fp16's range is too narrow for this model. "
+                           "Use --mixed_precision bf16 (same memory, fp32's range), or fp32")
+            return
+        bad = torch.tensor(0.0 if torch.isfinite(loss.detach()).all() else 1.0, device=acc.device)
+        if acc.num_processes > 1:
+            bad = acc.reduce(bad, "max")  # every process stops together, or the others would hang
+        if bad.item():
+            self._stop(step, f"the loss is not finite at step {step}. Lower --learning_rate, keep --max_grad_norm "
+                       "on, and check the data for bad values")
+
+    def _stop(self, step: int, reason: str) -> None:
+        path = Path(self.args.output_dir) / f"diverged_step_{step:08d}"
+        self.accelerator.save_state(str(path))
+        self.accelerator.end_training()
+        raise SystemExit(f"Stopped: {reason}. The training state at step {step} is saved in {path}.")
 
     def _log(self, step: int) -> None:
         mean = self.accelerator.reduce(torch.stack(self.window).mean().to(self.accelerator.device), "mean").item()
@@ -210,6 +253,7 @@ class Meter:
             self.initial_loss = self.window[0].item()
         self.window.clear()
         self.last_loss = mean
+        self.memory_trace.append(current_memory_bytes(self.accelerator.device))
         lr = self.optimizer.param_groups[0]["lr"]
         self.accelerator.log({"train/loss": mean, "train/lr": lr}, step=step)
         self.bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}")
@@ -234,6 +278,7 @@ class Meter:
             "train_samples_per_second": totals[0].item() / seconds,
             "train_tokens_per_second": totals[1].item() / seconds,
             "compute_dtype": self._read_dtype(),
+            "memory_trace_bytes": self.memory_trace,
             **fields,
         }
 

@@ -54,14 +54,19 @@ def check_model_path(name: str | None) -> None:
                          "or leave it unset to build a model from --model_preset.")
 
 
+def unreachable(name: str, err: Exception) -> SystemExit:
+    """The error for a hub id or directory that from_pretrained could not read."""
+    return SystemExit(f"Could not load {name!r}: it is not a local directory and the hub did not serve it "
+                      f"({err.__class__.__name__}: {str(err).splitlines()[0]}). Check the id or the network, pass a "
+                      "local directory, or leave --model_name_or_path unset to use --model_preset.")
+
+
 def load_pretrained_config(args: argparse.Namespace, **overrides: object) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code,
                                           **overrides)
     except OSError as err:
-        raise SystemExit(f"Could not load {args.model_name_or_path!r}: it is not a local directory and the hub did "
-                         f"not serve it ({err.__class__.__name__}: {str(err).splitlines()[0]}). Check the id or the "
-                         "network, pass a local directory, or leave it unset to use --model_preset.") from None
+        raise unreachable(args.model_name_or_path, err) from None
 
 
 def build_model(args: argparse.Namespace, config: PretrainedConfig) -> nn.Module:

@@ -101,7 +101,12 @@ def load_task(args: argparse.Namespace, accelerator) -> Task:
     task = loader(args, accelerator, train_raw, val_raw, source)
     n_train = len(task.train_dataloader.dataset)
     if n_train == 0:
-        raise SystemExit(f"The training data ({source}) has no usable examples.")
+        raise SystemExit(f"The training data ({source}) has no usable examples. Check the file and the columns.")
+    global_batch = args.per_device_train_batch_size * accelerator.num_processes
+    if global_batch > n_train:
+        raise SystemExit(f"The global batch ({args.per_device_train_batch_size} per device x "
+                         f"{accelerator.num_processes} processes = {global_batch}) is larger than the training set "
+                         f"({n_train} examples). Lower --per_device_train_batch_size or add data.")
     return task
 
 
@@ -134,7 +139,10 @@ def _tokenizer(args, texts: list[str]):
         return data.build_word_tokenizer(texts, args.task)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    except OSError as err:
+        raise models.unreachable(name, err) from None
     if tok.pad_token is None:  # GPT-2 style tokenizers have none; padding is masked out of the loss anyway
         tok.pad_token = tok.eos_token
     return tok

@@ -37,7 +37,7 @@ def run_recipe(name: str, output_dir: Path, *args: str) -> dict:
     """main() of recipes/<name>.py in this process; returns the results it wrote to results.json."""
     _reset_accelerate()
     try:
-        returned = load_recipe(name).main([*map(str, args), *QUIET, "--output_dir", str(output_dir)])
+        returned = load_recipe(name).main([*QUIET, *map(str, args), "--output_dir", str(output_dir)])
     finally:
         _reset_accelerate()
     written = json.loads((Path(output_dir) / "results.json").read_text())
@@ -62,7 +62,7 @@ def launch(name: str, output_dir: Path, *args: str, config: str | None = "multi_
     if config:
         cmd += ["--config_file", str(CONFIGS / config)]
     cmd += ["--main_process_port", str(free_port()), *launch_args,
-            str(ROOT / "recipes" / f"{name}.py"), *map(str, args), *QUIET, "--output_dir", str(output_dir)]
+            str(ROOT / "recipes" / f"{name}.py"), *QUIET, *map(str, args), "--output_dir", str(output_dir)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if expect_fail:

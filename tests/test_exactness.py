@@ -74,10 +74,10 @@ def test_accumulation_under_ddp_equals_one_large_batch(tmp_path):
     assert diff <= TOL
 
 
-@pytest.mark.parametrize("recipe", ["baseline", "gradient_accumulation"])
-def test_resume_is_exact(recipe, tmp_path):
+@pytest.mark.parametrize("recipe,accumulation", [("baseline", 1), ("gradient_accumulation", 2)])
+def test_resume_is_exact(recipe, accumulation, tmp_path):
     """Stopped at step 6 and resumed == uninterrupted: dropout on, several epochs (48 samples, batches of 16)."""
-    common = ["--max_train_steps", 10, "--max_train_samples", 48, "--gradient_accumulation_steps", 2]
+    common = ["--max_train_steps", 10, "--max_train_samples", 48, "--gradient_accumulation_steps", accumulation]
     run_recipe(recipe, tmp_path / "full", *common, "--checkpointing_steps", 3)
     checkpoint = tmp_path / "full" / "checkpoints" / "step_00000006"
     assert (checkpoint / "trainer_state.json").exists()

@@ -15,8 +15,10 @@ TASKS = ["text-classification", "causal-lm", "image-classification"]
 @pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_trains_task(recipe, task, tmp_path):
-    steps = 12 if recipe == "gradient_accumulation" else 40
-    r = run_recipe(recipe, tmp_path, "--task", task, "--max_train_steps", steps, "--learning_rate", "3e-3",
+    steps = ["--max_train_steps", 40]
+    if recipe == "gradient_accumulation":
+        steps = ["--max_train_steps", 25, "--gradient_accumulation_steps", 2]
+    r = run_recipe(recipe, tmp_path, "--task", task, *steps, "--learning_rate", "3e-3",
                    "--logging_steps", 5, "--max_eval_samples", 64)
     for field in REQUIRED_FIELDS:
         assert r[field] is not None, f"results.json lacks {field}"

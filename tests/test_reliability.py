@@ -1,0 +1,148 @@
+"""No lost work, no silent errors: preemption, kill -9, corrupt checkpoints, divergence, dead peers, leaks."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import CONFIGS, QUIET, ROOT, free_port, load_params, max_param_diff, run_recipe
+
+RUN = ["--max_train_steps", 60, "--max_train_samples", 160, "--checkpointing_steps", 10]
+
+
+def _start(output_dir, *args, config=None, env=None):
+    """A recipe run in its own process group, so that a signal reaches the launcher and its workers together."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    cmd += ["--config_file", str(CONFIGS / config)] if config else ["--num_processes", "1"]
+    cmd += ["--main_process_port", str(free_port()), str(ROOT / "recipes" / "baseline.py"), *map(str, args), *QUIET,
+            "--output_dir", str(output_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_checkpoint(proc, output_dir, timeout=300):
+    deadline = time.time() + timeout
+    while not list((output_dir / "checkpoints").glob("step_*")):
+        assert proc.poll() is None, f"run ended before its first checkpoint:\n{proc.stdout.read()[-3000:]}"
+        assert time.time() < deadline, "no checkpoint in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigterm", "kill9"])
+def test_interrupted_run_resumes_to_the_same_parameters(how, tmp_path):
+    run_recipe("baseline", tmp_path / "full", *RUN)
+    proc = _start(tmp_path / "cut", *RUN)
+    _wait_for_checkpoint(proc, tmp_path / "cut")
+    os.killpg(proc.pid, signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, "the run finished before the signal: nothing was tested"
+    if how == "sigterm":
+        assert "SIGTERM received: saved" in out, out[-3000:]
+    r = run_recipe("baseline", tmp_path / "cut", *RUN, "--resume_from_checkpoint", "latest")
+    assert 10 <= r["resumed_from_step"] < 60
+    diff = max_param_diff(load_params(tmp_path / "full"), load_params(tmp_path / "cut"))
+    print(f"{how} at step >= {r['resumed_from_step']}, resumed: max abs param diff vs uninterrupted {diff:.1e}")
+    assert diff == 0.0
+
+
+@pytest.mark.slow
+def test_ddp_kill9_resumes_to_the_same_parameters(tmp_path):
+    args = [*RUN, "--disable_dropout", "--per_device_train_batch_size", 8]
+    proc = _start(tmp_path / "cut", *args, config="multi_cpu.yaml")
+    _wait_for_checkpoint(proc, tmp_path / "cut")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=120)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "multi_cpu.yaml"),
+         "--main_process_port", str(free_port()), str(ROOT / "recipes" / "baseline.py"), *map(str, args), *QUIET,
+         "--output_dir", str(tmp_path / "cut"), "--resume_from_checkpoint", "latest"],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    r = json.loads((tmp_path / "cut" / "results.json").read_text())
+    assert (r["num_processes"], r["distributed_type"]) == (2, "MULTI_CPU") and r["resumed_from_step"] >= 10
+    assert r["param_fingerprint"][0] == r["param_fingerprint"][1]
+    run_recipe("baseline", tmp_path / "one", *RUN, "--disable_dropout", "--per_device_train_batch_size", 16)
+    diff = max_param_diff(load_params(tmp_path / "one"), load_params(tmp_path / "cut"))
+    print(f"DDP killed, resumed at step {r['resumed_from_step']}: max abs param diff vs 1 process {diff:.1e}")
+    assert diff <= 1e-5  # the same math as 1 x 16, summed in another order
+
+
+def test_corrupt_newest_checkpoint_is_skipped(tmp_path, caplog):
+    run_recipe("baseline", tmp_path, "--max_train_steps", 4, "--checkpointing_steps", 2, "--no_save_model")
+    newest = tmp_path / "checkpoints" / "step_00000004"
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated, as by a full disk
+    with caplog.at_level("WARNING", logger="recipes"):
+        r = run_recipe("baseline", tmp_path, "--max_train_steps", 4, "--resume_from_checkpoint", "latest",
+                       "--no_save_model")
+    assert r["resumed_from_step"] == 2
+    assert "skipping checkpoint" in caplog.text and "model.safetensors" in caplog.text
+    with pytest.raises(SystemExit, match="not a complete checkpoint: model.safetensors"):
+        run_recipe("baseline", tmp_path, "--max_train_steps", 4, "--resume_from_checkpoint", newest)
+
+
+def test_save_total_limit_keeps_newest(tmp_path):
+    run_recipe("baseline", tmp_path, "--max_train_steps", 8, "--checkpointing_steps", 2, "--save_total_limit", 2,
+               "--no_save_model")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000006", "step_00000008"]
+
+
+def test_nan_loss_stops_with_saved_state(tmp_path):
+    with pytest.raises(SystemExit, match=r"the loss is not finite at step (\d+).*Lower --learning_rate") as exc:
+        run_recipe("baseline", tmp_path, "--max_train_steps", 200, "--learning_rate", 1e30, "--max_grad_norm", 0)
+    step = int(str(exc.value.code).split("finite at step ")[1].split(".")[0])
+    assert step < 200 and (tmp_path / f"diverged_step_{step:08d}" / "model.safetensors").exists()
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_fp16_overflow_stops_with_bf16_advice(tmp_path):
+    """A model whose activations exceed fp16's range (65504) overflows at every step: stop, advise bf16."""
+    run_recipe("baseline", tmp_path / "model", "--max_train_steps", 1)
+    weights = load_params(tmp_path / "model")
+    from safetensors.torch import save_file
+
+    save_file({k: (v * 1e4 if "word_embeddings" in k else v) for k, v in weights.items()},
+              str(tmp_path / "model" / "model.safetensors"))
+    with pytest.raises(SystemExit, match="fp16 loss scale collapsed.*--mixed_precision bf16"):
+        run_recipe("mixed_precision", tmp_path / "run", "--model_name_or_path", tmp_path / "model",
+                   "--max_train_steps", 100, "--no_save_model")
+    assert list((tmp_path / "run").glob("diverged_step_*"))
+
+
+@pytest.mark.slow
+def test_dead_process_ends_the_run_with_a_message(tmp_path):
+    proc = _start(tmp_path, "--max_train_steps", 100000, "--ddp_timeout", 60, config="multi_cpu.yaml")
+    _wait_for_children = time.time() + 120
+    workers = []
+    while len(workers) < 2 and time.time() < _wait_for_children:
+        time.sleep(0.5)
+        out = subprocess.run(["pgrep", "-f", "-s", str(proc.pid), "recipes/baseline.py"], capture_output=True,
+                             text=True).stdout.split()
+        workers = [int(p) for p in out if int(p) != proc.pid]
+    time.sleep(8)  # both are training
+    assert proc.poll() is None
+    os.kill(max(workers), signal.SIGKILL)
+    t0 = time.time()
+    out, _ = proc.communicate(timeout=120)
+    elapsed = time.time() - t0
+    print(f"one of 2 processes killed: the run ended {elapsed:.1f} s later, exit code {proc.returncode}")
+    assert proc.returncode != 0 and elapsed < 90
+    assert "Signal 9 (SIGKILL)" in out or "SIGKILL" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_memory_does_not_grow_over_thousands_of_steps(tmp_path):
+    r = run_recipe("baseline", tmp_path, "--max_train_steps", 3000, "--logging_steps", 100, "--no_save_model",
+                   "--max_eval_samples", 32)
+    trace = r["memory_trace_bytes"]
+    growth = max(trace[3:]) - trace[3]  # after warm-up (allocator pools, lazy inits)
+    print(f"RSS over 3000 steps: {trace[3] / 2**20:.0f} MiB at step 400, max later {max(trace[3:]) / 2**20:.0f} MiB")
+    assert growth < 16 * 2**20
+    torch.testing.assert_close(torch.tensor(len(trace)), torch.tensor(30))
