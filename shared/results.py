@@ -61,6 +61,11 @@ def save_model(accelerator, model: torch.nn.Module, task, output_dir: str) -> No
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 / FSDP shards; a collective on all processes
     unwrapped = accelerator.unwrap_model(model)
+    # A gathered FSDP state dict holds tied weights (GPT-2's lm_head = wte) as separate copies, and save_pretrained
+    # drops only ties that share storage: keep the source, as an unsharded save does.
+    for target in getattr(unwrapped, "all_tied_weights_keys", None) or {}:  # {target: source}, ties in effect
+        if state_dict is not None:
+            state_dict.pop(target, None)
     unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict,
                               save_function=accelerator.save, safe_serialization=True)
     if accelerator.is_main_process:
