@@ -81,7 +81,9 @@ def main(argv=None) -> dict:
     pipe = PipelineStage(stage, rank, world, device)
     item_count = {}
     loss_fn = summed_loss(task.name)
-    schedule = SCHEDULES[args.schedule](pipe, n_microbatches=args.n_microbatches,
+    # Each micro-batch's summed loss is divided by the whole batch's item count, so the micro-batch gradients add
+    # up to the batch gradient: scale_grads=False (the default divides them by n_microbatches once more).
+    schedule = SCHEDULES[args.schedule](pipe, n_microbatches=args.n_microbatches, scale_grads=False,
                                         loss_fn=lambda out, y: loss_fn(out, y) / item_count["n"])
     # GPT-2's lm_head is its token embedding: the first and last stage each hold a copy, whose gradients are summed.
     tied = tied_weight(stage)
