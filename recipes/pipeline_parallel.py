@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import gather_object
-from safetensors.torch import save_file
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader
 
@@ -30,7 +29,17 @@ from shared.launch import build_accelerator
 from shared.meter import Meter
 from shared.models import transformer_layers
 from shared.optim import optimizer_and_scheduler, total_steps
-from shared.pipeline_stages import Stage, pad_to_length, split_layers, stage_inputs, summed_loss, tied_weight
+from shared.pipeline_stages import (
+    Stage,
+    clip_global_grad_norm,
+    evaluate,
+    pad_to_length,
+    save_stage_shards,
+    split_layers,
+    stage_inputs,
+    summed_loss,
+    tied_weight,
+)
 from shared.results import collect_results, write_results
 from shared.tasks import load_task
 
@@ -118,80 +127,15 @@ def main(argv=None) -> dict:
         meter.record(step, loss, batch if stage.is_last else [])
         optimizer.zero_grad(set_to_none=True)
 
-    metrics = evaluate(task, schedule, stage, eval_dl, item_count, device, world)
+    metrics = evaluate(task, schedule, stage, eval_dl, item_count, last_rank=world - 1)
     params = gather_object([sum(p.numel() for p in stage.parameters())])
     extras = {"schedule": args.schedule, "n_microbatches": args.n_microbatches,
               "stage_layers": gather_object([[layers.start, layers.stop]]), "stage_param_count": params,
               "tied_weight_copies": 2 if tied is not None else 0}
     results = collect_results(accelerator, args, RECIPE, task, meter, metrics, extras)
     if not args.no_save_model:
-        save_stages(accelerator, args.output_dir, task, stage, tied)
+        save_stage_shards(accelerator, args.output_dir, task, stage, rank, world, tied)
     return write_results(accelerator, args, results)
-
-
-def clip_global_grad_norm(stage: torch.nn.Module, max_norm: float, skip: torch.Tensor | None) -> float:
-    """torch's clip_grad_norm_ over the whole model: each stage sums its squares, the sum is all-reduced.
-    Returns the norm before clipping; max_norm 0 only measures it."""
-    grads = [p.grad for p in stage.parameters() if p.grad is not None and p is not skip]  # a tied copy counts once
-    sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-    sq = sq.to(next(stage.parameters()).device)
-    dist.all_reduce(sq)
-    if max_norm:
-        coef = (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
-        for p in stage.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return sq.sqrt().item()
-
-
-@torch.no_grad()
-def evaluate(task, schedule, stage, eval_dl, item_count, device, world) -> dict[str, float]:
-    """Forward-only through the pipeline; the last stage scores, every process gets the figures."""
-    stage.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in eval_dl:
-        x, mask = stage_inputs(batch)
-        item_count["n"] = 1.0
-        if stage.is_first:
-            schedule.eval(x, **mask)
-        elif stage.is_last:
-            losses = []
-            logits = schedule.eval(**mask, target=batch["labels"], losses=losses)
-            if task.name == "causal-lm":
-                total += torch.tensor([torch.stack(losses).sum().item(), task.count_items(batch).item()],
-                                      dtype=torch.float64, device=device)
-            else:
-                hits = (logits.argmax(-1) == batch["labels"]).sum().item()
-                total += torch.tensor([hits, batch["labels"].numel()], dtype=torch.float64, device=device)
-        else:
-            schedule.eval(**mask)
-    dist.broadcast(total, src=world - 1)
-    stage.train()
-    mean = (total[0] / total[1].clamp(min=1)).item()
-    if task.name == "causal-lm":
-        return {"eval_loss": mean, "eval_perplexity": float(torch.tensor(min(mean, 50.0)).exp())}
-    return {"eval_accuracy": mean}
-
-
-def save_stages(accelerator, output_dir: str, task, stage: Stage, tied: torch.Tensor | None) -> None:
-    """Each process writes its stage as one shard of a Hugging Face sharded checkpoint; from_pretrained loads the
-    whole model from the shards and the index, and no process ever gathers it."""
-    import json
-
-    rank, world = accelerator.process_index, accelerator.num_processes
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    shard = f"model-{rank + 1:05d}-of-{world:05d}.safetensors"
-    state = {k: v.detach().cpu().contiguous() for k, v in stage.model.state_dict().items()
-             if not (tied is not None and stage.is_last and v.data_ptr() == tied.data_ptr())}
-    save_file(state, str(out / shard), metadata={"format": "pt"})
-    names = gather_object([(shard, sorted(state))])
-    if accelerator.is_main_process:
-        weight_map = {name: file for file, keys in names for name in keys}
-        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-        task.model.config.save_pretrained(output_dir)
-        task.save_preprocessing(output_dir)
-    accelerator.wait_for_everyone()
 
 
 if __name__ == "__main__":

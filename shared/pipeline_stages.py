@@ -136,3 +136,86 @@ def summed_loss(task_name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.
                                reduction="sum")
 
     return fn
+
+
+def clip_global_grad_norm(stage: Stage, max_norm: float, group=None, skip: torch.Tensor | None = None) -> float:
+    """torch's clip_grad_norm_ over the whole model, whose stages sit in the processes of `group`: each stage sums
+    its squares and the sum is all-reduced. A tied copy (`skip`) counts once. Returns the norm before clipping;
+    max_norm 0 only measures it."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in stage.parameters() if p.grad is not None and p is not skip]
+    sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    dist.all_reduce(sq, group=group)
+    if max_norm:
+        coef = (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+        for p in stage.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return sq.sqrt().item()
+
+
+@torch.no_grad()
+def evaluate(task, schedule, stage: Stage, eval_dataloader, item_count: dict, last_rank: int, pp_group=None,
+             dp_group=None) -> dict[str, float]:
+    """Forward-only through the pipeline; the last stage scores (summed over replicas with dp_group) and sends the
+    figures to every stage. Accuracy, or token-weighted loss and perplexity for a causal LM."""
+    import math
+
+    import torch.distributed as dist
+
+    stage.eval()
+    device = next(stage.parameters()).device
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    item_count["n"] = 1.0  # summed losses
+    for batch in eval_dataloader:
+        x, mask = stage_inputs(batch)
+        if stage.is_first:
+            schedule.eval(x, **mask)
+        elif stage.is_last:
+            losses: list[torch.Tensor] = []
+            logits = schedule.eval(**mask, target=batch["labels"], losses=losses)
+            if task.name == "causal-lm":
+                score, count = torch.stack(losses).sum().item(), task.count_items(batch).item()
+            else:
+                score, count = (logits.argmax(-1) == batch["labels"]).sum().item(), batch["labels"].numel()
+            total += torch.tensor([score, count], dtype=torch.float64, device=device)
+        else:
+            schedule.eval(**mask)
+    if dp_group is not None:
+        dist.all_reduce(total, group=dp_group)
+    dist.broadcast(total, src=last_rank, group=pp_group)
+    stage.train()
+    mean = (total[0] / total[1].clamp(min=1)).item()
+    if task.name == "causal-lm":
+        return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50.0))}
+    return {"eval_accuracy": mean}
+
+
+def save_stage_shards(accelerator, output_dir: str, task, stage: Stage, stage_index: int, num_stages: int,
+                      tied: torch.Tensor | None, write: bool = True) -> None:
+    """Each stage writes its parameters as one shard of a Hugging Face sharded checkpoint (model-0000k-of-0000n +
+    index): from_pretrained loads the whole model, and no process ever gathers it. `write`: this process's
+    replica is the one that saves. A collective: every process calls it."""
+    import json
+    from pathlib import Path
+
+    from accelerate.utils import gather_object
+    from safetensors.torch import save_file
+
+    out = Path(output_dir)
+    entry = None
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+        shard = f"model-{stage_index + 1:05d}-of-{num_stages:05d}.safetensors"
+        state = {k: v.detach().cpu().contiguous() for k, v in stage.model.state_dict().items()
+                 if not (tied is not None and stage.is_last and v.data_ptr() == tied.data_ptr())}  # tied: once
+        save_file(state, str(out / shard), metadata={"format": "pt"})
+        entry = (shard, sorted(state))
+    entries = [e for e in gather_object([entry]) if e is not None]
+    if accelerator.is_main_process:
+        weight_map = {name: shard for shard, names in entries for name in names}
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        task.model.config.save_pretrained(output_dir)
+        task.save_preprocessing(output_dir)
+    accelerator.wait_for_everyone()
