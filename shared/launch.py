@@ -13,6 +13,7 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
 
 from shared.checkpoint import install_preemption_handler
+from shared.fsdp_cpu import force_fsdp_on_cpu
 
 logger = logging.getLogger("recipes")
 
@@ -76,11 +77,9 @@ def build_accelerator(
             # Without GPUs Accelerate counts one process under DeepSpeed unless the process group is gloo.
             process_group.backend = "gloo"
         elif uses_fsdp:
-            # On CPU Accelerate never enables FSDP: the replicas would train unsynced. Refuse rather than pretend.
-            raise SystemExit(
-                "FSDP on a CPU-only machine is not enabled by Accelerate (the replicas would train unsynced). "
-                "Use recipes/fsdp.py, which handles it, or run on GPUs."
-            )
+            # Accelerate never enables FSDP without GPUs (the replicas would train unsynced): start a gloo group
+            # here and force FSDP2 once the Accelerator exists (shared/fsdp_cpu.py).
+            process_group.backend = "gloo"
         else:
             # A MULTI_GPU config with `use_cpu: true` gives real gloo DDP only with cpu=True in the script;
             # without it every process reports DistributedType.NO and trains its own unsynced copy.
@@ -105,6 +104,8 @@ def build_accelerator(
         kwargs_handlers=kwargs_handlers,
         **accelerator_kwargs,
     )
+    if on_cpu and world > 1 and uses_fsdp and not uses_deepspeed:
+        force_fsdp_on_cpu(accelerator, accelerator_kwargs.get("fsdp_plugin"))
     if accelerator.num_processes != world:
         raise SystemExit(
             f"{world} processes were launched but Accelerate sees {accelerator.num_processes} "

@@ -11,12 +11,15 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 # ---------------------------------------------------------------- bytes on live tensors
 
 
 def _storage(t: torch.Tensor) -> tuple[tuple, int] | None:
+    if isinstance(t, DTensor):  # an FSDP2 / tensor-parallel shard: count this process's local piece
+        t = t.to_local()
     if t.device.type == "meta":
         return None
     s = t.untyped_storage()

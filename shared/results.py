@@ -24,6 +24,15 @@ def finish(accelerator, args: argparse.Namespace, recipe: str, task, model: torc
            meter, extras: dict | None = None) -> dict:
     """Evaluate, write results.json, save the model as safetensors, close the trackers. Returns the results."""
     metrics = task.evaluate(model, eval_dataloader, accelerator)
+    results = collect_results(accelerator, args, recipe, task, meter, metrics, extras)
+    if not args.no_save_model:
+        save_model(accelerator, model, task, args.output_dir)
+    return write_results(accelerator, args, results)
+
+
+def collect_results(accelerator, args: argparse.Namespace, recipe: str, task, meter, metrics: dict,
+                    extras: dict | None = None) -> dict:
+    """The results.json fields: the run, the meter's measurements (before saving adds to the memory peak), metrics."""
     results = {
         "recipe": recipe,
         "task": task.name,
@@ -40,17 +49,21 @@ def finish(accelerator, args: argparse.Namespace, recipe: str, task, model: torc
         **meter.extras,
         **(extras or {}),
     }
-    results = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in results.items()}
     accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}, step=args.max_train_steps)
-    if not args.no_save_model:
-        save_model(accelerator, model, task, args.output_dir)
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in results.items()}
+
+
+def write_results(accelerator, args: argparse.Namespace, results: dict) -> dict:
+    """Write results.json (main process, atomically) and close the trackers. Recipes that evaluate and save in
+    their own way (a pipeline, whose whole model no process holds) call collect_results and this directly."""
     if accelerator.is_main_process:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / "results.json.tmp"
         tmp.write_text(json.dumps(results, indent=2))
         os.replace(tmp, out / "results.json")
-        logger.info("results: %s", {k: results[k] for k in ("train_loss", *metrics) if k in results})
+        metrics = ("train_loss", "eval_accuracy", "eval_loss", "eval_perplexity")
+        logger.info("results: %s", {k: results[k] for k in metrics if k in results})
         logger.info("wrote %s", out / "results.json")
     accelerator.end_training()
     return results
@@ -61,6 +74,11 @@ def save_model(accelerator, model: torch.nn.Module, task, output_dir: str) -> No
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 / FSDP shards; a collective on all processes
     unwrapped = accelerator.unwrap_model(model)
+    # A gathered FSDP state dict holds tied weights (GPT-2's lm_head = wte) as separate copies, and save_pretrained
+    # drops only ties that share storage: keep the source, as an unsharded save does.
+    for target in getattr(unwrapped, "all_tied_weights_keys", None) or {}:  # {target: source}, ties in effect
+        if state_dict is not None:
+            state_dict.pop(target, None)
     unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict,
                               save_function=accelerator.save, safe_serialization=True)
     if accelerator.is_main_process:

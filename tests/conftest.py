@@ -36,10 +36,15 @@ def load_recipe(name: str):
 def run_recipe(name: str, output_dir: Path, *args: str) -> dict:
     """main() of recipes/<name>.py in this process; returns the results it wrote to results.json."""
     _reset_accelerate()
+    # Accelerate writes to os.environ (an FSDP plugin sets ACCELERATE_USE_FSDP=true): restore it, or every later
+    # `accelerate launch` from this test session inherits it.
+    saved_env = dict(os.environ)
     try:
         returned = load_recipe(name).main([*QUIET, *map(str, args), "--output_dir", str(output_dir)])
     finally:
         _reset_accelerate()
+        os.environ.clear()
+        os.environ.update(saved_env)
     written = json.loads((Path(output_dir) / "results.json").read_text())
     assert written["recipe"] == returned["recipe"]
     return written

@@ -1,0 +1,156 @@
+"""Data + model parallel on a 2-D device mesh: the processes form `data_parallel` replicas of a
+`pipeline_stages`-stage pipeline (4 processes = 2 replicas x 2 stages). Inside a replica the model is cut into
+stages (torch.distributed.pipelining); across replicas each stage's gradients are averaged with the same stage of
+the other replicas, which train on other slices of the global batch.
+
+    accelerate launch --config_file accelerate_configs/data_model_parallel.yaml recipes/data_model_parallel.py
+    accelerate launch --config_file accelerate_configs/data_model_parallel.yaml --num_processes 8 \
+        recipes/data_model_parallel.py --pipeline_stages 4 --model_preset base       # 2 replicas x 4 stages
+Mesh (replica, stage) -> rank = replica * stages + stage. Global batch = per_device_train_batch_size x replicas.
+Accelerate's ParallelismConfig (tensor parallel + FSDP) is the other 2-D layout on GPUs; it refuses CPU distributed
+types at validation (Accelerate 1.15), so this recipe builds the mesh itself and runs on both.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+import torch
+import torch.distributed as dist
+from accelerate.data_loader import prepare_data_loader
+from accelerate.utils import gather_object
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils.data import DataLoader
+
+from shared.args import parse_args
+from shared.data import endless_batches
+from shared.launch import build_accelerator
+from shared.meter import Meter
+from shared.models import transformer_layers
+from shared.optim import optimizer_and_scheduler, total_steps
+from shared.pipeline_stages import (
+    Stage,
+    clip_global_grad_norm,
+    evaluate,
+    pad_to_length,
+    save_stage_shards,
+    split_layers,
+    stage_inputs,
+    summed_loss,
+    tied_weight,
+)
+from shared.results import collect_results, write_results
+from shared.tasks import load_task
+
+RECIPE = "data_model_parallel"
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def add_args(p):
+    p.add_argument("--pipeline_stages", type=int, default=2, help="Stages per replica; replicas = processes / this.")
+    p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
+    p.add_argument("--n_microbatches", type=int, default=2, help="Micro-batches per batch; must divide it.")
+    p.add_argument("--layers_per_stage", default=None, help="Blocks per stage, e.g. 1,3. Unset: an even split.")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, add_args, description=__doc__)
+    for flag in ("checkpointing_steps", "resume_from_checkpoint"):
+        if getattr(args, flag):
+            raise SystemExit(f"--{flag}: this recipe does not checkpoint. Use recipes/fsdp.py for resumable "
+                             "sharded training, or drop the flag.")
+    if args.per_device_train_batch_size % args.n_microbatches or args.gradient_accumulation_steps != 1:
+        raise SystemExit("--per_device_train_batch_size must be a multiple of --n_microbatches, and "
+                         "--gradient_accumulation_steps 1 (the micro-batches already accumulate).")
+    accelerator = build_accelerator(args, RECIPE)
+    world, device = accelerator.num_processes, accelerator.device
+    stages = args.pipeline_stages
+    if stages < 2 or world % stages or world == stages:
+        raise SystemExit(f"{world} processes cannot form 2 or more replicas of {stages} stages (stages >= 2). Launch "
+                         f"a multiple of {stages} processes (e.g. --num_processes {2 * max(stages, 2)}), or use "
+                         "recipes/pipeline_parallel.py for one replica.")
+    replicas = world // stages
+    mesh = init_device_mesh(device.type, (replicas, stages), mesh_dim_names=("dp", "pp"))
+    dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+    task = load_task(args, accelerator)  # the same seed everywhere: all replicas start identical
+
+    # The stages of a replica read the same whole batch; replicas read different slices of the global batch.
+    pad_id = getattr(task.tokenizer, "pad_token_id", 0) or 0
+    loaders = []
+    for dl, shuffle in ((task.train_dataloader, True), (task.eval_dataloader, False)):
+        fixed = DataLoader(dl.dataset, batch_size=args.per_device_train_batch_size, shuffle=shuffle, drop_last=True,
+                           collate_fn=pad_to_length(dl.collate_fn, args.max_seq_length, pad_id),
+                           generator=torch.Generator().manual_seed(args.seed))
+        loaders.append(prepare_data_loader(fixed, device, num_processes=replicas, process_index=dp_rank,
+                                           use_seedable_sampler=True))
+    train_dl, eval_dl = loaders
+
+    layers = split_layers(len(transformer_layers(task.model)), stages, args.layers_per_stage)[pp_rank]
+    stage = Stage(task.model, layers, is_first=pp_rank == 0, is_last=pp_rank == stages - 1).to(device)
+    pipe = PipelineStage(stage, pp_rank, stages, device, group=pp_group)
+    item_count = {}
+    loss_fn = summed_loss(task.name)
+    schedule = SCHEDULES[args.schedule](pipe, n_microbatches=args.n_microbatches, scale_grads=False,
+                                        loss_fn=lambda out, y: loss_fn(out, y) / item_count["n"])
+    tied = tied_weight(stage)
+    tie_groups = [dist.new_group([int(mesh.mesh[d, 0]), int(mesh.mesh[d, -1])]) for d in range(replicas)]
+
+    max_steps = total_steps(args, accelerator, train_dl)
+    optimizer, scheduler = optimizer_and_scheduler(args, stage, max_steps)
+    batches = endless_batches(accelerator, train_dl)
+    meter = Meter(accelerator, args, task, stage, optimizer)
+
+    stage.train()
+    for step in meter.steps(0, max_steps):
+        batch = next(batches)
+        x, mask = stage_inputs(batch)
+        # The loss is over the global batch: divide by its items, counted over the replicas.
+        count = task.count_items(batch).to(device)
+        dist.all_reduce(count, group=dp_group)
+        item_count["n"] = count
+        losses = []
+        if stage.is_first:
+            schedule.step(x, **mask)
+        elif stage.is_last:
+            schedule.step(**mask, target=batch["labels"], losses=losses, return_outputs=False)
+        else:
+            schedule.step(**mask)
+        # Data parallel across replicas: sum each stage's gradients with the same stage of the other replicas.
+        for p in stage.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=dp_group)
+        if tied is not None:
+            dist.all_reduce(tied.grad, group=tie_groups[dp_rank])
+        norm = clip_global_grad_norm(stage, args.max_grad_norm, pp_group, skip=tied if stage.is_last else None)
+        meter.extras.setdefault("first_step_grad_norm", norm)
+        optimizer.step()
+        scheduler.step()
+        loss = torch.stack(losses).sum() if losses else torch.zeros((), device=device)
+        dist.all_reduce(loss, group=dp_group)  # each replica's share of the global loss
+        dist.broadcast(loss, src=int(mesh.mesh[dp_rank, -1]), group=pp_group)
+        meter.record(step, loss, batch if stage.is_last else [])  # each sample counted once
+        optimizer.zero_grad(set_to_none=True)
+
+    flat = torch.cat([p.detach().reshape(-1) for p in stage.parameters()])
+    mean = flat.clone()
+    dist.all_reduce(mean, group=dp_group)
+    spread = (flat - mean / replicas).abs().max()
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    extras = {"data_parallel_replicas": replicas, "pipeline_stages": stages, "schedule": args.schedule,
+              "mesh": mesh.mesh.tolist(), "global_batch_size": args.per_device_train_batch_size * replicas,
+              "stage_index": gather_object([pp_rank]), "stage_layers": gather_object([[layers.start, layers.stop]]),
+              "stage_param_count": gather_object([sum(p.numel() for p in stage.parameters())]),
+              "max_param_diff_between_replicas": spread.item()}
+    last = int(mesh.mesh[dp_rank, -1])
+    metrics = evaluate(task, schedule, stage, eval_dl, item_count, last, pp_group=pp_group, dp_group=dp_group)
+    results = collect_results(accelerator, args, RECIPE, task, meter, metrics, extras)
+    if not args.no_save_model:  # one replica saves: they are identical
+        save_stage_shards(accelerator, args.output_dir, task, stage, pp_rank, stages, tied, write=dp_rank == 0)
+    return write_results(accelerator, args, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Data parallel (DDP) through Accelerate: a full copy of the model in every process, each process a different slice
+of the global batch, gradients averaged (all-reduce) before every optimizer step. The reference for the other
+parallel recipes.
+
+Reports each process's throughput and, given a 1-process run of the same settings, the scaling against it.
+    accelerate launch recipes/data_parallel.py --output_dir outputs/dp1                  # 1 process: the reference
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/data_parallel.py \
+        --compare_to outputs/dp1/results.json                                            # N GPUs
+    accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/data_parallel.py   # 2 procs, gloo
+Global batch = per_device_train_batch_size x processes x gradient_accumulation_steps.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+from accelerate.utils import DistributedDataParallelKwargs, gather_object
+
+from shared.args import parse_args
+from shared.checkpoint import maybe_save_checkpoint, resume
+from shared.data import endless_batches
+from shared.launch import build_accelerator
+from shared.meter import Meter
+from shared.optim import optimizer_and_scheduler, total_steps
+from shared.results import finish
+from shared.tasks import load_task
+
+RECIPE = "data_parallel"
+
+
+def add_args(p):
+    p.add_argument("--compare_to", default=None,
+                   help="results.json of a 1-process run with the same flags: report the speed-up against it.")
+    p.add_argument("--bucket_cap_mb", type=int, default=25,
+                   help="DDP all-reduces gradients in buckets of this size, overlapped with the backward pass.")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, add_args, description=__doc__)
+    reference = None
+    if args.compare_to:
+        if not Path(args.compare_to).is_file():
+            raise SystemExit(f"--compare_to {args.compare_to!r} does not exist. Pass the results.json of a "
+                             "1-process run of this recipe, or leave it unset.")
+        reference = json.loads(Path(args.compare_to).read_text())
+        if reference.get("num_processes") != 1 or reference.get("recipe") != RECIPE:
+            raise SystemExit(f"--compare_to {args.compare_to!r} is a {reference.get('num_processes')}-process "
+                             f"{reference.get('recipe')} run; pass the results.json of a 1-process {RECIPE} run.")
+    ddp = DistributedDataParallelKwargs(bucket_cap_mb=args.bucket_cap_mb)  # how DDP averages the gradients
+    accelerator = build_accelerator(args, RECIPE, kwargs_handlers=[ddp])
+    task = load_task(args, accelerator)
+    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
+
+    # prepare() wraps the model in DistributedDataParallel and gives each process its own slice of every batch.
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
+    )
+    start_step, consumed = resume(accelerator, args)
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    meter = Meter(accelerator, args, task, model, optimizer)
+
+    model.train()
+    for step in meter.steps(start_step, max_steps):
+        batch = next(batches)
+        # Normalize by the items (target tokens) of the whole global batch: the gradients are averaged over
+        # processes, and each process's own mean would weigh its tokens differently from one big batch.
+        num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
+        loss = task.loss(model, batch, num_items)
+        accelerator.backward(loss)  # DDP all-reduces (averages) the gradients during backward
+        if args.max_grad_norm:
+            norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            meter.extras.setdefault("first_step_grad_norm", norm.item())  # what other layouts must reproduce
+        optimizer.step()
+        scheduler.step()
+        meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
+        optimizer.zero_grad(set_to_none=True)
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+
+    # Throughput of each process on its own slice, and of all of them together against one process.
+    per_process = gather_object([meter.samples / meter.elapsed if meter.elapsed else None])
+    extras = {"ddp_wrapped": type(model).__name__ == "DistributedDataParallel",
+              "global_batch_size": args.per_device_train_batch_size * accelerator.num_processes
+              * args.gradient_accumulation_steps,
+              "per_process_samples_per_second": per_process}
+    if reference is not None:
+        speedup = meter.summary()["train_samples_per_second"] / reference["train_samples_per_second"]
+        extras.update(scaling_vs_1_process=speedup, scaling_efficiency=speedup / accelerator.num_processes)
+        accelerator.print(f"{accelerator.num_processes} processes: {speedup:.2f}x the samples/s of 1 process "
+                          f"({100 * speedup / accelerator.num_processes:.0f}% scaling efficiency)")
+    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""FSDP2 (fully sharded data parallel) through Accelerate: each process keeps 1/N of the parameters, gradients and
+optimizer state, and gathers one transformer block's parameters at a time for its forward and backward.
+
+Full shard, optional CPU offload, one FSDP unit per transformer block, sharded checkpoints that resume, and one
+consolidated safetensors model at the end.
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/fsdp.py
+    accelerate launch --config_file accelerate_configs/fsdp_offload.yaml recipes/fsdp.py --task causal-lm
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/fsdp.py --checkpointing_steps 50
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/fsdp.py --resume_from_checkpoint latest
+On a CPU-only machine the same configs run over gloo (shared/fsdp_cpu.py makes Accelerate really shard there).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+from accelerate import FullyShardedDataParallelPlugin
+from accelerate.utils import DistributedType
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+from shared.args import parse_args
+from shared.checkpoint import maybe_save_checkpoint, resume
+from shared.data import endless_batches
+from shared.launch import build_accelerator
+from shared.meter import Meter
+from shared.models import transformer_layers
+from shared.optim import optimizer_and_scheduler, total_steps
+from shared.results import finish
+from shared.tasks import load_task
+
+RECIPE = "fsdp"
+
+
+def add_args(p):
+    p.add_argument("--cpu_offload", action="store_true", default=None,
+                   help="Keep parameter shards, gradients and the optimizer step in host memory. Unset: the "
+                        "accelerate config's fsdp_offload_params.")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, add_args, description=__doc__)
+    fsdp_plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        reshard_after_forward=True,                 # full shard: parameters are freed again after each block's use
+        auto_wrap_policy="transformer_based_wrap",  # one FSDP unit (one all-gather) per transformer block
+        state_dict_type="SHARDED_STATE_DICT",       # checkpoints: each process writes and reads only its shard
+        cpu_offload=args.cpu_offload,               # None: fsdp_offload_params from the accelerate config
+    )
+    accelerator = build_accelerator(args, RECIPE, fsdp_plugin=fsdp_plugin)
+    if accelerator.distributed_type != DistributedType.FSDP or accelerator.num_processes < 2:
+        raise SystemExit(f"FSDP shards over processes, but this run has {accelerator.num_processes} process(es) of "
+                         f"type {accelerator.distributed_type.value}. Launch it with "
+                         "`accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/fsdp.py`.")
+    task = load_task(args, accelerator)
+    # Wrap the model's own block class, found on the model (hub models without _no_split_modules work too).
+    fsdp_plugin.transformer_cls_names_to_wrap = [type(transformer_layers(task.model)[0]).__name__]
+    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
+
+    # FSDP2 needs the model and its optimizer in the same prepare() call: it swaps the parameters for shards.
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
+    )
+    start_step, consumed = resume(accelerator, args)
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    meter = Meter(accelerator, args, task, model, optimizer)
+
+    model.train()
+    for step in meter.steps(start_step, max_steps):
+        batch = next(batches)
+        # Normalize by the items (target tokens) of the whole global batch: the gradients are averaged over
+        # processes, and each process's own mean would weigh its tokens differently from one big batch.
+        num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
+        loss = task.loss(model, batch, num_items)
+        accelerator.backward(loss)  # gradients are reduce-scattered: each process keeps its shard's
+        if args.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
+        optimizer.zero_grad(set_to_none=True)
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+
+    extras = {
+        "fsdp_version": fsdp_plugin.fsdp_version,
+        "reshard_after_forward": fsdp_plugin.reshard_after_forward,
+        "cpu_offload": isinstance(fsdp_plugin.cpu_offload, CPUOffloadPolicy),
+        "fsdp_units": sum(isinstance(m, FSDPModule) for m in model.modules()),
+        "wrapped_block_class": fsdp_plugin.transformer_cls_names_to_wrap[0],
+    }
+    # finish() gathers the shards into one consolidated safetensors model (a collective on every process).
+    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras)
+
+
+if __name__ == "__main__":
+    main()

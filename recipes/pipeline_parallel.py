@@ -1,0 +1,142 @@
+"""Pipeline parallel with torch.distributed.pipelining: the model's blocks are cut into one stage per process;
+each global batch is split into micro-batches that flow through the stages, so all stages work at once
+(GPipe: all forwards then all backwards; 1F1B: alternate, keeping fewer micro-batches' activations alive).
+
+Each process builds and keeps only its stage's parameters. GPT-2, BERT and ViT models.
+    accelerate launch --config_file accelerate_configs/pipeline.yaml recipes/pipeline_parallel.py --task causal-lm
+    torchrun --nproc_per_node 2 recipes/pipeline_parallel.py --schedule gpipe --n_microbatches 8
+    accelerate launch --config_file accelerate_configs/pipeline.yaml --num_processes 4 \
+        recipes/pipeline_parallel.py --model_preset base --layers_per_stage 2,4,4,2
+Every process reads the same whole batch (the first stage needs the inputs, the last the labels). Text is padded to
+--max_seq_length: stages exchange fixed-shape tensors.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+import torch
+import torch.distributed as dist
+from accelerate.data_loader import prepare_data_loader
+from accelerate.utils import gather_object
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils.data import DataLoader
+
+from shared.args import parse_args
+from shared.data import endless_batches
+from shared.launch import build_accelerator
+from shared.meter import Meter
+from shared.models import transformer_layers
+from shared.optim import optimizer_and_scheduler, total_steps
+from shared.pipeline_stages import (
+    Stage,
+    clip_global_grad_norm,
+    evaluate,
+    pad_to_length,
+    save_stage_shards,
+    split_layers,
+    stage_inputs,
+    summed_loss,
+    tied_weight,
+)
+from shared.results import collect_results, write_results
+from shared.tasks import load_task
+
+RECIPE = "pipeline_parallel"
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def add_args(p):
+    p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
+    p.add_argument("--n_microbatches", type=int, default=4, help="Micro-batches per batch; must divide it.")
+    p.add_argument("--layers_per_stage", default=None, help="Blocks per stage, e.g. 1,3. Unset: an even split.")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, add_args, description=__doc__)
+    for flag in ("checkpointing_steps", "resume_from_checkpoint"):
+        if getattr(args, flag):
+            raise SystemExit(f"--{flag}: this recipe does not checkpoint (each process would save only its stage). "
+                             "Use recipes/fsdp.py for resumable sharded training, or drop the flag.")
+    if args.per_device_train_batch_size % args.n_microbatches:
+        raise SystemExit(f"--per_device_train_batch_size {args.per_device_train_batch_size} is not divisible by "
+                         f"--n_microbatches {args.n_microbatches}: pick a batch size that is a multiple of it.")
+    if args.gradient_accumulation_steps != 1:
+        raise SystemExit("--gradient_accumulation_steps: the micro-batches already accumulate; raise "
+                         "--n_microbatches and the batch size instead.")
+    args.per_device_eval_batch_size = args.per_device_train_batch_size  # the same micro-batch shape in evaluation
+    accelerator = build_accelerator(args, RECIPE)
+    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    if world < 2:
+        raise SystemExit("A pipeline needs one process per stage: launch 2 or more, e.g. `accelerate launch "
+                         "--config_file accelerate_configs/pipeline.yaml recipes/pipeline_parallel.py`.")
+    task = load_task(args, accelerator)  # the same seed on every process: each stage starts as the same model
+
+    # Every stage reads the whole batch, in the order a 1-process run would (not a per-process slice).
+    pad_id = getattr(task.tokenizer, "pad_token_id", 0) or 0
+    loaders = []
+    for dl, shuffle in ((task.train_dataloader, True), (task.eval_dataloader, False)):
+        fixed = DataLoader(dl.dataset, batch_size=args.per_device_train_batch_size, shuffle=shuffle, drop_last=True,
+                           collate_fn=pad_to_length(dl.collate_fn, args.max_seq_length, pad_id),
+                           generator=torch.Generator().manual_seed(args.seed))
+        loaders.append(prepare_data_loader(fixed, device, num_processes=1, process_index=0, use_seedable_sampler=True))
+    train_dl, eval_dl = loaders
+
+    # This process's stage: its blocks (and the embeddings / head at the ends); the rest is dropped here.
+    num_layers = len(transformer_layers(task.model))
+    layers = split_layers(num_layers, world, args.layers_per_stage)[rank]
+    stage = Stage(task.model, layers, is_first=rank == 0, is_last=rank == world - 1).to(device)
+    pipe = PipelineStage(stage, rank, world, device)
+    item_count = {}
+    loss_fn = summed_loss(task.name)
+    # Each micro-batch's summed loss is divided by the whole batch's item count, so the micro-batch gradients add
+    # up to the batch gradient: scale_grads=False (the default divides them by n_microbatches once more).
+    schedule = SCHEDULES[args.schedule](pipe, n_microbatches=args.n_microbatches, scale_grads=False,
+                                        loss_fn=lambda out, y: loss_fn(out, y) / item_count["n"])
+    # GPT-2's lm_head is its token embedding: the first and last stage each hold a copy, whose gradients are summed.
+    tied = tied_weight(stage)
+    tie_group = dist.new_group([0, world - 1])  # every process takes part in creating a group
+
+    max_steps = total_steps(args, accelerator, train_dl)
+    optimizer, scheduler = optimizer_and_scheduler(args, stage, max_steps)
+    batches = endless_batches(accelerator, train_dl)
+    meter = Meter(accelerator, args, task, stage, optimizer)
+
+    stage.train()
+    for step in meter.steps(0, max_steps):
+        batch = next(batches)
+        x, mask = stage_inputs(batch)
+        item_count["n"] = task.count_items(batch)  # the loss is over the whole batch: divide by all its items
+        losses = []
+        if stage.is_first:
+            schedule.step(x, **mask)
+        elif stage.is_last:
+            schedule.step(**mask, target=batch["labels"], losses=losses, return_outputs=False)
+        else:
+            schedule.step(**mask)
+        if tied is not None:
+            dist.all_reduce(tied.grad, group=tie_group)
+        norm = clip_global_grad_norm(stage, args.max_grad_norm, skip=tied if stage.is_last else None)
+        meter.extras.setdefault("first_step_grad_norm", norm)
+        optimizer.step()
+        scheduler.step()
+        loss = torch.stack(losses).sum() if losses else torch.zeros((), device=device)
+        dist.broadcast(loss, src=world - 1)  # the last stage computed it; every process logs it
+        # Each sample passes through every stage once: count it on the last stage only.
+        meter.record(step, loss, batch if stage.is_last else [])
+        optimizer.zero_grad(set_to_none=True)
+
+    metrics = evaluate(task, schedule, stage, eval_dl, item_count, last_rank=world - 1)
+    params = gather_object([sum(p.numel() for p in stage.parameters())])
+    extras = {"schedule": args.schedule, "n_microbatches": args.n_microbatches,
+              "stage_layers": gather_object([[layers.start, layers.stop]]), "stage_param_count": params,
+              "tied_weight_copies": 2 if tied is not None else 0}
+    results = collect_results(accelerator, args, RECIPE, task, meter, metrics, extras)
+    if not args.no_save_model:
+        save_stage_shards(accelerator, args.output_dir, task, stage, rank, world, tied)
+    return write_results(accelerator, args, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""2-D: 4 processes = 2 data-parallel replicas x 2 pipeline stages, over gloo."""
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.conftest import launch, load_params, max_param_diff
+from tests.parallel_runs import COMMON, single
+
+PARAM_TOL = 5e-5  # as for the pipeline: fp32 AdamW, 6 steps, vs 1 process over the same global batch of 16
+
+
+@pytest.mark.slow
+def test_two_replicas_of_two_stages_train_like_one_process(tmp_path_factory, tmp_path):
+    ref_dir, ref = single(tmp_path_factory)
+    r = launch("data_model_parallel", tmp_path, *COMMON, "--per_device_train_batch_size", "8",
+               "--pipeline_stages", "2", config="data_model_parallel.yaml")
+    assert (r["num_processes"], r["distributed_type"]) == (4, "MULTI_CPU")
+    assert (r["data_parallel_replicas"], r["pipeline_stages"], r["mesh"]) == (2, 2, [[0, 1], [2, 3]])
+    assert r["stage_index"] == [0, 1, 0, 1] and r["global_batch_size"] == 16
+
+    # each process holds one stage: about half the model; the two stages together are the model (+ the tied head)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = [load_file(tmp_path / f) for f in sorted(set(index.values()))]
+    total = sum(t.numel() for s in shards for t in s.values())
+    tied = shards[0]["transformer.wte.weight"].numel()
+    counts = r["stage_param_count"]
+    assert counts[0] == counts[2] and counts[1] == counts[3] and counts[0] + counts[1] == total + tied
+    for c in counts:
+        assert 0.35 <= c / total <= 0.65, counts
+    assert r["param_bytes"] == [4 * c for c in counts]
+
+    # the replicas stayed identical, and the whole trains like one process over the same global batch
+    assert r["max_param_diff_between_replicas"] == 0.0
+    assert r["initial_loss"] == pytest.approx(ref["initial_loss"], rel=1e-5)
+    assert r["first_step_grad_norm"] == pytest.approx(ref["first_step_grad_norm"], rel=1e-4)
+    assert r["train_loss"] < r["initial_loss"] - 0.5
+    diff = max_param_diff(load_params(ref_dir), {k: v for s in shards for k, v in s.items()})
+    print(f"param diff: 2x2 mesh vs 1 process after 6 steps = {diff:.2e}; stage params {counts}")
+    assert diff <= PARAM_TOL
+
+
+def test_refuses_a_mesh_that_does_not_fit(tmp_path):
+    from tests.conftest import run_recipe
+
+    with pytest.raises(SystemExit, match="cannot form 2 or more replicas"):
+        run_recipe("data_model_parallel", tmp_path, "--max_train_steps", "1")
