@@ -102,6 +102,7 @@ def main(argv=None) -> dict:
         "max_abs_grad_diff_vs_no_checkpointing": max(
             (a - b).abs().max().item() for a, b in zip(plain_grads, ckpt_grads, strict=True)),
     }
+    del plain_grads, ckpt_grads  # two copies of every gradient: kept alive, they would inflate the training peak
     max_steps = total_steps(args, accelerator, task.train_dataloader)
     optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
 
