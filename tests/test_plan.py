@@ -211,6 +211,7 @@ def test_planner_vs_committed_quick_matrix():
     assert not failures, failures
 
 
+@pytest.mark.slow
 def test_fresh_process_peak(tmp_path):
     """A user's fresh `accelerate launch` process: peak RSS vs the planner with its default runtime (535 MiB)."""
     from tests.conftest import launch
