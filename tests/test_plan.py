@@ -1,0 +1,261 @@
+"""The memory planner: published figures, its activation formula against autograd's saved tensors, and its
+per-process predictions against the quick matrix's measured runs (tiny and base presets, three tasks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared import plan
+from shared.meter import saved_activation_bytes
+from shared.models import AUTO_CLASSES, preset_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- published figures
+
+
+def test_zero_paper_figures():
+    """ZeRO paper, Figure 1: 7.5B parameters, 64 devices, mixed-precision Adam (K=12)."""
+    psi, n = 7.5e9, 64
+    per_stage = [plan.zero_model_state_bytes(psi, n, stage) / 1e9 for stage in range(4)]
+    print("ZeRO stage 0-3, GB per device:", [round(v, 2) for v in per_stage])
+    assert plan.zero_model_state_bytes(1, 1, 0) == 16  # 16 bytes per parameter
+    assert [round(v, 1) for v in per_stage] == [120.0, 31.4, 16.6, 1.9]
+    # Each stage divides the right pieces by N: with N=1 every stage is the baseline's 16 bytes.
+    assert all(plan.zero_model_state_bytes(psi, 1, s) == 16 * psi for s in range(4))
+
+
+def test_planner_deepspeed_rows_follow_the_paper():
+    """The planner's ZeRO rows: 2+2+12 bytes/param divided as in the paper, plus DeepSpeed's fp32 gradient
+    partition (4/N bytes/param, as deepspeed's own estimator counts it)."""
+    spec = _spec("causal-lm", "base")
+    psi, n = spec.num_params, 8
+    for tech in plan.TECHNIQUES:
+        if tech.strategy.startswith("zero") and tech.offload == "none":
+            p = plan.predict(spec, tech, "bf16", n, 1, 8)
+            stage = int(tech.strategy[-1])
+            assert p.model_states == pytest.approx(plan.zero_model_state_bytes(psi, n, stage) + 4 * psi / n)
+
+
+def test_nf4_about_half_a_byte_per_parameter():
+    """QLoRA: NF4 is 4 bits plus 32/64 bits of absmax per value, 8/64 + 32/(64*256) with double quantization."""
+    n = 4096 * 4096
+    assert plan.nf4_bytes(n, double_quant=False) / n == pytest.approx(0.5 + 4 / 64)
+    dq = plan.nf4_bytes(n) / n
+    assert dq == pytest.approx(0.5 + 1 / 64 + 4 / (64 * 256), rel=1e-6)  # 4.127 bits
+    assert 0.51 < dq < 0.52
+    assert plan.int8_bytes(n, 4096) / n == pytest.approx(1 + 4 / 4096)
+
+
+def test_eight_bit_adam_keeps_small_tensors_in_32_bit():
+    """bitsandbytes: tensors under 4096 elements keep fp32 state (8 B/param); the rest 2 B + absmax per 256."""
+    assert plan.adam_state_bytes([4095], eight_bit=True) == plan.adam_state_bytes([4095])
+    assert plan.adam_state_bytes([4096 * 256], eight_bit=True) == 2 * 4096 * 256 + 8 * 4096 + 4
+    assert plan.adam_state_bytes([100, 200], eight_bit=False) == 8 * 300 + 8  # + torch's 4-byte step per tensor
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_cli_gpt2_xl_on_8_gpus(capsys):
+    """The README example runs offline (the built-in copy of gpt2-xl's config) and prints launch commands."""
+    rows = plan.main(["--model_name_or_path", "gpt2-xl", "--num_gpus", "8", "--gpu_memory", "80GB",
+                      "--seq_len", "1024", "--per_device_batch_size", "8"])
+    out = capsys.readouterr().out
+    print(out)
+    spec_params = next(p for p, _ in rows).trainable
+    assert 1.55e9 < spec_params < 1.56e9  # GPT-2 XL: 1.558B parameters
+    fits = {(p.technique.name, p.precision) for p, why in rows if not why}
+    # fp32 DDP with batch 8 x 1024: 16 B/param = 25 GB states plus ~100 GB of activations: does not fit 80 GB
+    assert ("baseline", "fp32") not in fits
+    assert ("activation_checkpointing", "fp32") in fits
+    assert "accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 8 recipes/zero.py" in out
+    assert "Does not fit" in out and "largest: activations" in out
+
+
+def test_cli_local_dir_and_bad_input(tmp_path, capsys):
+    from transformers import BertConfig
+
+    BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256).save_pretrained(
+        tmp_path)
+    plan.main(["--model_name_or_path", str(tmp_path), "--gpu_memory", "16GB", "--seq_len", "128"])
+    assert "task: text-classification" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="does not exist"):
+        plan.main(["--model_name_or_path", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit):
+        plan.build_parser().parse_args(["--gpu_memory", "eighty"])
+    assert "'eighty' is not a size: write e.g. 80GB" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="per_device_batch_size must be at least 1"):
+        plan.main(["--per_device_batch_size", "0"])
+
+
+def test_offload_moves_states_to_host():
+    spec = _spec("causal-lm", "base")
+    by = {t.name: t for t in plan.TECHNIQUES}
+    z3 = plan.predict(spec, by["zero3"], "bf16", 4, 1, 8)
+    off = plan.predict(spec, by["zero3_offload"], "bf16", 4, 1, 8)
+    nvme = plan.predict(spec, by["zero3_nvme"], "bf16", 4, 1, 8)
+    assert off.weights == off.optimizer == 0
+    assert off.host == pytest.approx(z3.weights + z3.optimizer + 4 * spec.num_params / 4)
+    assert nvme.nvme > 0 and nvme.host < off.host
+    lora = plan.predict(spec, by["qlora_4bit"], "bf16", 1, 1, 8)
+    assert lora.trainable < 0.01 * spec.num_params and lora.weights < 0.5 * z3.weights * 4
+
+
+# ---------------------------------------------------------------- activations vs autograd's saved tensors
+
+ACTIVATION_CASES = [  # (task, hidden, layers, heads, intermediate, batch, seq, dropout, precision, checkpointing)
+    ("text-classification", 128, 3, 4, 512, 2, 64, True, "fp32", False),
+    ("text-classification", 128, 3, 4, 512, 2, 64, True, "bf16", False),
+    ("text-classification", 128, 3, 4, 512, 2, 64, False, "fp32", True),
+    ("causal-lm", 128, 3, 4, 512, 2, 64, True, "bf16", False),
+    ("causal-lm", 64, 2, 2, 256, 4, 32, True, "fp32", True),
+    ("image-classification", 128, 3, 4, 512, 2, None, False, "bf16", False),
+]
+
+
+def _config(task, h, n_layers, a, i, dropout):
+    cfg = preset_config(task, "tiny", vocab_size=1000)
+    if task == "causal-lm":
+        cfg.update(dict(n_embd=h, n_layer=n_layers, n_head=a, n_inner=i))
+    else:
+        cfg.update(dict(hidden_size=h, num_hidden_layers=n_layers, num_attention_heads=a, intermediate_size=i))
+    if not dropout:
+        for k, v in cfg.to_dict().items():
+            if ("dropout" in k or "pdrop" in k) and isinstance(v, float):
+                setattr(cfg, k, 0.0)
+    return cfg
+
+
+@pytest.mark.parametrize("case", ACTIVATION_CASES, ids=lambda c: f"{c[0]}-{c[8]}-ckpt{int(c[9])}-drop{int(c[7])}")
+def test_activation_formula_matches_saved_tensors(case):
+    """Bytes autograd saves in one forward + loss (shared.meter.saved_activation_bytes), on CPU, vs the formula."""
+    task, h, n_layers, a, i, b, s, dropout, precision, ckpt = case
+    cfg = _config(task, h, n_layers, a, i, dropout)
+    torch.manual_seed(0)
+    model = AUTO_CLASSES[task].from_config(cfg).train()
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if task == "image-classification":
+        inputs, labels = {"pixel_values": torch.randn(b, 3, cfg.image_size, cfg.image_size)}, torch.zeros(b).long()
+    else:
+        ids = torch.randint(0, cfg.vocab_size, (b, s))
+        # with an attention mask, as the recipes' collators give one
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        labels = ids if task == "causal-lm" else torch.zeros(b).long()
+    with saved_activation_bytes(model) as saved:
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+            logits = model(**inputs).logits
+        logits = logits.float()
+        if task == "causal-lm":
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1)).backward()
+    predicted = plan.activation_bytes(plan.model_spec(cfg, task, "x"), b, s, precision, ckpt, kernels="cpu").saved
+    ratio = predicted / saved["bytes"]
+    print(f"{case}: measured {saved['bytes']:,} B, predicted {predicted:,.0f} B, ratio {ratio:.3f}")
+    assert predicted == pytest.approx(saved["bytes"], rel=0.03)
+
+
+# ---------------------------------------------------------------- planner vs the quick matrix's measurements
+
+
+def _spec(task, preset):
+    config, task, _ = plan.load_config(None, preset, task, None, None)
+    return plan.model_spec(config, task, preset)
+
+
+def _compare(rows: list[dict]) -> list[str]:
+    """Print each prediction beside its measurement; return what is out of tolerance: model-state bytes 5%,
+    peak RSS 20% (runtime + training peak, docs/planner.md), the checkpointing probe's saved activations 10%."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import matrix
+
+    runs = {r.name: r for r in matrix.RUNS}
+    print(f"\n{'run':<50}{'quantity':<40}{'measured MiB':>13}{'predicted MiB':>14}{'ratio':>7}")
+    failures = []
+    for r in rows:
+        # predicted now, by this checkout's planner, for the run's recipe, shape and process count
+        m = r["measured"]
+        p = matrix.planner_prediction(runs[r["run"]], r["task"], r["preset"], r["batch"], m["num_processes"])
+        checks = [(k, m[k][0], p[k], 0.05) for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes")]
+        checks.append(("peak_memory_bytes", m["peak_memory_bytes"][0], p["peak_memory_bytes"], 0.20))
+        for k in ("activation_bytes_without_checkpointing", "activation_bytes_with_checkpointing"):
+            if m.get(k) is not None:
+                checks.append((k, m[k], p[k], 0.10))
+        for key, mv, pv, tol in checks:
+            ratio = pv / mv
+            print(f"{r['run'][:30] + ' ' + r['task'][:12] + ' ' + r['preset']:<50}{key:<40}{mv / 2**20:>13.2f}"
+                  f"{pv / 2**20:>14.2f}{ratio:>7.3f}")
+            if abs(ratio - 1) > tol:
+                failures.append(f"{r['run']} {r['task']} {r['preset']} {key}: ratio {ratio:.3f} (tolerance {tol})")
+    return failures
+
+
+def test_planner_vs_committed_quick_matrix():
+    """docs/results/matrix.json (python benchmarks/matrix.py --quick): all 17 runs, base-size bf16 and
+    checkpointing included, against this checkout's planner."""
+    report = json.loads((ROOT / "docs" / "results" / "matrix.json").read_text())
+    rows = report["rows"]
+    assert len(rows) == 17 and all(r["status"] == "ok" for r in rows)
+    assert {(r["task"], r["preset"]) for r in rows} == {(t, p) for t in AUTO_CLASSES for p in ("tiny", "base")}
+    failures = _compare(rows)
+    assert not failures, failures
+
+
+@pytest.mark.slow
+def test_fresh_process_peak(tmp_path):
+    """A user's fresh `accelerate launch` process: peak RSS vs the planner with its default runtime (535 MiB)."""
+    from tests.conftest import launch
+
+    res = launch("baseline", tmp_path, "--task", "causal-lm", "--max_train_steps", "2", "--max_seq_length", "6",
+                 "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8", "--max_train_samples", "64",
+                 "--max_eval_samples", "16", "--no_save_model", config="single_process.yaml")
+    pred = plan.predict_cpu_run(_spec("causal-lm", "tiny"), plan.TECHNIQUES[0], "fp32", 1, 8, 6)
+    measured = res["peak_memory_bytes"][0]
+    print(f"fresh process peak RSS: measured {measured / 2**20:.1f} MiB, predicted "
+          f"{pred['peak_memory_bytes'] / 2**20:.1f} MiB")
+    assert pred["peak_memory_bytes"] == pytest.approx(measured, rel=0.20)
+    assert pred["param_bytes"] == res["param_bytes"][0] and pred["grad_bytes"] == res["grad_bytes"][0]
+
+
+@pytest.fixture(scope="module")
+def fresh_matrix(tmp_path_factory):
+    """The quick matrix run now, in a fresh process: tiny preset x 3 tasks x (baseline, bf16, checkpointing) and
+    the base preset's baseline for the 3 tasks (the base-size bf16 and checkpointing runs take minutes here)."""
+    out = tmp_path_factory.mktemp("matrix")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "matrix.py"), "--quick", "--base_recipes",
+                           "baseline", "--output_dir", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1200, env={**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out, json.loads((out / "matrix.json").read_text())
+
+
+@pytest.mark.slow
+def test_quick_matrix_runs_and_writes_its_outputs(fresh_matrix):
+    out, report = fresh_matrix
+    rows = report["rows"]
+    assert len(rows) == 12 and all(r["status"] == "ok" for r in rows), [r["error"] for r in rows if r["error"]]
+    table = (out / "matrix.md").read_text()
+    assert table.count("| ok |") == 12 and "Machine:" in table
+    png = (out / "matrix.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    for r in rows:  # the runs did what they say
+        m = r["measured"]
+        assert m["num_processes"] == 1 and m["mixed_precision"] == ("bf16" if "bf16" in r["args"] else "no")
+        assert m["compute_dtype"] == ("bfloat16" if "bf16" in r["args"] else "float32")
+        assert r["throughput_vs_baseline"] > 0 and r["loss_vs_baseline"] > 0
+
+
+@pytest.mark.slow
+def test_planner_vs_measured_now(fresh_matrix):
+    failures = _compare(fresh_matrix[1]["rows"])
+    assert not failures, failures
