@@ -59,13 +59,13 @@ def recipe_args(p):
                    help="Also write a merged full-precision model to <output_dir>/merged.")
 
 
-def check_combination(args, accelerator) -> bool:
-    """Stop before loading anything when the quantized model could not train this way. Returns: parameters sharded."""
-    ds = getattr(accelerator.state, "deepspeed_plugin", None)
-    sharded = bool(ds and ds.zero_stage == 3) or accelerator.distributed_type == DistributedType.FSDP
-    if args.device_map == "auto" and accelerator.num_processes > 1:
+def check_combination(args, num_processes: int, sharded: bool) -> None:
+    """Stop before loading anything when the quantized model cannot train this way (sharded: ZeRO-3 or FSDP)."""
+    if args.merge and args.no_save_model:
+        raise SystemExit("--merge merges the saved adapter, and --no_save_model skips saving it. Drop one of them.")
+    if args.device_map == "auto" and num_processes > 1:
         raise SystemExit(f"--device_map auto spreads one quantized model over several devices, which cannot train "
-                         f"data-parallel in {accelerator.num_processes} processes (each needs its whole copy). Use "
+                         f"data-parallel in {num_processes} processes (each needs its whole copy). Use "
                          "--device_map process (the default), or launch a single process.")
     if sharded and args.bits == 8:
         raise SystemExit("8-bit bitsandbytes weights cannot be sharded by ZeRO-3 / FSDP. Use --bits 4 with "
@@ -76,13 +76,14 @@ def check_combination(args, accelerator) -> bool:
     if sharded and args.device_map == "auto":
         raise SystemExit("--device_map auto cannot be combined with ZeRO-3 / FSDP, which place the shards themselves. "
                          "Drop --device_map auto.")
-    return sharded
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv, recipe_args, description=__doc__)
     accelerator = build_accelerator(args, RECIPE)
-    sharded = check_combination(args, accelerator)
+    ds = getattr(accelerator.state, "deepspeed_plugin", None)
+    sharded = bool(ds and ds.zero_stage == 3) or accelerator.distributed_type == DistributedType.FSDP
+    check_combination(args, accelerator.num_processes, sharded)
     task = load_task(args, accelerator)
     out = Path(args.output_dir)
 
@@ -190,8 +191,6 @@ def main(argv=None) -> dict:
                 task.save_preprocessing(str(out / "merged"))
                 extras["merged_dir"] = str(out / "merged")
         accelerator.wait_for_everyone()
-    elif args.merge:
-        raise SystemExit("--merge needs the saved adapter: drop --no_save_model.")
     return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=extras)
 
 
