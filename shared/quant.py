@@ -73,3 +73,30 @@ def linear_sparsity(model: nn.Module) -> dict[str, float]:
     """Fraction of exact zeros in each nn.Linear weight (after pruning: what was really removed)."""
     return {name: (m.weight == 0).float().mean().item() for name, m in model.named_modules()
             if isinstance(m, nn.Linear)}
+
+
+def conv1d_to_linear(model: nn.Module) -> nn.Module:
+    """Swap GPT-2's Conv1D (a Linear with its weight stored transposed) for nn.Linear, in place: quantization
+    libraries (torchao quantize_, torch dynamic quantization) only recognise nn.Linear. The math is unchanged; the
+    state dict then holds [out, in] weights, so it is saved with torch.save, not reloaded by from_pretrained."""
+    from transformers.pytorch_utils import Conv1D
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Conv1D):
+                linear = nn.Linear(child.weight.shape[0], child.nf, device=child.weight.device,
+                                   dtype=child.weight.dtype)
+                with torch.no_grad():
+                    linear.weight.copy_(child.weight.t())
+                    linear.bias.copy_(child.bias)
+                setattr(parent, name, linear)
+    return model
+
+
+def serialized_bytes(state_dict: dict) -> int:
+    """Bytes of torch.save(state_dict): the size a checkpoint of it takes on disk."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    return buffer.getbuffer().nbytes
