@@ -1,6 +1,7 @@
 """Post-training quantization for serving: a trained model's Linear layers become int8 with activations quantized
 on the fly (dynamic int8, torchao), no training and no calibration data. Reports the eval metric and the size on
-disk before and after, and saves <output_dir>/quantized_model.pt (torch.load(..., weights_only=True) reads it).
+disk before and after, and saves <output_dir>/quantized_model.pt (after
+`import torchao`, torch.load(..., weights_only=True) reads it).
     accelerate launch recipes/baseline.py --output_dir outputs/base
     python recipes/ptq.py --model_name_or_path outputs/base
 Only the Linear layers of the transformer blocks are quantized; embeddings, norms and the task head stay fp32.

@@ -6,7 +6,8 @@ and the converted model; plus sizes on disk. QAT starts from a trained model:
     accelerate launch recipes/baseline.py --output_dir outputs/base
     accelerate launch recipes/qat.py --model_name_or_path outputs/base --weight_bits 4
 The Linear layers of the transformer blocks are quantized; embeddings, norms and the task head stay fp32.
-The converted model is saved as <output_dir>/quantized_model.pt (load it with torch.load(..., weights_only=True)).
+The converted model is saved as <output_dir>/quantized_model.pt (after
+`import torchao`, torch.load(..., weights_only=True) reads it).
 On CPU torchao stores int4 weights unpacked, one per int8 byte, so int4 is no smaller on disk than int8 here.
 """
 
