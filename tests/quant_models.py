@@ -17,7 +17,7 @@ from shared.models import AUTO_CLASSES
 
 def make_model_dir(root: Path, task: str, hidden: int = 256, layers: int = 2) -> Path:
     """A randomly initialised model (and tokenizer for text) saved like a pretrained checkpoint; reused if present."""
-    out = Path(root) / f"{task}-h{hidden}"
+    out = Path(root) / f"{task}-h{hidden}-l{layers}"
     if (out / "config.json").exists():
         return out
     dims = dict(num_hidden_layers=layers, num_attention_heads=hidden // 64, intermediate_size=4 * hidden)
