@@ -1,0 +1,90 @@
+"""8-bit AdamW (bitsandbytes) in place of torch AdamW: the two moments are stored in 8 bits with block-wise scales,
+so optimizer state takes about a quarter of its 32-bit size, for the same update rule.
+
+bitsandbytes keeps 8-bit state only for tensors of at least --min_8bit_size elements (4096, its default); smaller
+ones (biases, norms) keep 32-bit state. results.json reports how many of each, and the state bytes on live tensors.
+--paged uses PagedAdamW8bit: its state sits in CUDA unified memory and is evicted to CPU RAM under GPU memory
+pressure instead of failing with out-of-memory. It needs a CUDA device: elsewhere the recipe refuses rather than
+fall back to plain memory the way bitsandbytes does.
+    accelerate launch recipes/optim_8bit.py                          # tiny BERT on built-in data
+    accelerate launch recipes/optim_8bit.py --task causal-lm --paged  # on a CUDA GPU
+"""
+
+import sys
+from pathlib import Path
+
+import bitsandbytes as bnb
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+from shared.args import parse_args
+from shared.checkpoint import maybe_save_checkpoint, resume
+from shared.data import endless_batches
+from shared.launch import build_accelerator
+from shared.meter import Meter
+from shared.optim import optimizer_and_scheduler, total_steps
+from shared.results import finish
+from shared.tasks import load_task
+
+RECIPE = "optim_8bit"
+
+
+def recipe_args(p):
+    p.add_argument("--paged", action="store_true",
+                   help="PagedAdamW8bit: state in CUDA unified memory, paged to CPU RAM under memory pressure.")
+    p.add_argument("--min_8bit_size", type=int, default=4096,
+                   help="Tensors with fewer elements keep 32-bit state (bitsandbytes' default).")
+    p.add_argument("--percentile_clipping", type=int, default=100,
+                   help="Clip gradients at this percentile of the last 100 gradient norms (100: off).")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, recipe_args, description=__doc__)
+    accelerator = build_accelerator(args, RECIPE)
+    if args.paged and accelerator.device.type != "cuda":
+        # bitsandbytes would warn and silently allocate ordinary memory: nothing would be paged.
+        raise SystemExit(f"--paged needs a CUDA device (unified memory); this run is on {accelerator.device.type}. "
+                         "Drop --paged (plain AdamW8bit saves the same state bytes) or run on a CUDA GPU.")
+    task = load_task(args, accelerator)
+    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    # The technique: bitsandbytes' 8-bit AdamW, same hyperparameters and parameter groups as torch AdamW.
+    optim_cls = bnb.optim.PagedAdamW8bit if args.paged else bnb.optim.AdamW8bit
+    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps, optimizer_cls=optim_cls)
+    for group in optimizer.param_groups:
+        group["min_8bit_size"] = args.min_8bit_size
+        group["percentile_clipping"] = args.percentile_clipping
+
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
+    )
+    start_step, consumed = resume(accelerator, args)
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    meter = Meter(accelerator, args, task, model, optimizer)
+
+    model.train()
+    for step in meter.steps(start_step, max_steps):
+        batch = next(batches)
+        loss = task.loss(model, batch)
+        accelerator.backward(loss)
+        if args.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
+        optimizer.zero_grad(set_to_none=True)
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+
+    # What was really 8-bit: state1 is uint8 for 8-bit tensors, float32 for the small ones.
+    states = [s for s in optimizer.optimizer.state.values() if "state1" in s]
+    extras = {
+        "optimizer": optim_cls.__name__,
+        "tensors_with_8bit_state": sum(s["state1"].dtype == torch.uint8 for s in states),
+        "tensors_with_32bit_state": sum(s["state1"].dtype != torch.uint8 for s in states),
+        "paged_state_buffers": sum(getattr(s["state1"], "is_paged", False) for s in states),
+    }
+    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=extras)
+
+
+if __name__ == "__main__":
+    main()

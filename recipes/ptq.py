@@ -1,0 +1,68 @@
+"""Post-training quantization for serving: a trained model's Linear layers become int8 with activations quantized
+on the fly (dynamic int8, torchao), no training and no calibration data. Reports the eval metric and the size on
+disk before and after, and saves <output_dir>/quantized_model.pt (after
+`import torchao`, torch.load(..., weights_only=True) reads it).
+    accelerate launch recipes/baseline.py --output_dir outputs/base
+    python recipes/ptq.py --model_name_or_path outputs/base
+Only the Linear layers of the transformer blocks are quantized; embeddings, norms and the task head stay fp32.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+from shared.args import parse_args
+from shared.launch import build_accelerator
+from shared.models import transformer_layers
+from shared.quant import conv1d_to_linear, dir_bytes
+from shared.tasks import load_task
+
+RECIPE = "ptq"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, description=__doc__)
+    if not args.model_name_or_path:
+        raise SystemExit("PTQ quantizes a trained model: pass --model_name_or_path (e.g. the output_dir of "
+                         "recipes/baseline.py).")
+    accelerator = build_accelerator(args, RECIPE)
+    if accelerator.num_processes > 1:
+        raise SystemExit("PTQ runs in one process: launch it with `python recipes/ptq.py`, not several processes.")
+    task = load_task(args, accelerator)
+    model = task.model.to(accelerator.device).eval()
+    before = task.evaluate(model, task.eval_dataloader, accelerator)
+    fp32_bytes = dir_bytes(args.model_name_or_path) if Path(args.model_name_or_path).is_dir() else None
+
+    # The technique: dynamic int8 (per-row int8 weights, per-token int8 activations) on the blocks' Linear layers.
+    conv1d_to_linear(model)  # GPT-2's Conv1D layers become nn.Linear, which torchao quantizes
+    blocks = next(name for name, m in model.named_modules() if m is transformer_layers(model))
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(),
+              filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn.startswith(blocks + "."))
+    after = task.evaluate(model, task.eval_dataloader, accelerator)
+
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), out / "quantized_model.pt")
+    task.save_preprocessing(str(out))
+    results = {
+        "recipe": RECIPE, "task": task.name, "model": task.model_id, "scheme": "int8 dynamic activations, int8 weights",
+        "quantized_layers": sum("Tensor" in type(m.weight).__name__ and type(m.weight) is not nn.Parameter
+                                for m in model.modules() if isinstance(m, nn.Linear)),
+        **{f"fp32_{k.removeprefix('eval_')}": v for k, v in before.items()},
+        **{f"int8_{k.removeprefix('eval_')}": v for k, v in after.items()},
+        "fp32_bytes_on_disk": fp32_bytes,
+        "int8_bytes_on_disk": (out / "quantized_model.pt").stat().st_size,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    accelerator.print(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Quantization-aware training (torchao): fine-tune with fake-quantized Linear layers (int8 dynamic activations,
+int4 or int8 weights, rounded in forward, straight-through in backward) so the weights learn to live on the
+quantization grid, then convert to a real quantized model. Reported side by side: the fp32 model it started from,
+post-training quantization (PTQ) of that same model with the same scheme, the fake-quantized model after QAT,
+and the converted model; plus sizes on disk. QAT starts from a trained model:
+    accelerate launch recipes/baseline.py --output_dir outputs/base
+    accelerate launch recipes/qat.py --model_name_or_path outputs/base --weight_bits 4
+The Linear layers of the transformer blocks are quantized; embeddings, norms and the task head stay fp32.
+The converted model is saved as <output_dir>/quantized_model.pt (after
+`import torchao`, torch.load(..., weights_only=True) reads it).
+On CPU torchao stores int4 weights unpacked, one per int8 byte, so int4 is no smaller on disk than int8 here.
+"""
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+from torchao.quantization.granularity import PerGroup
+from torchao.quantization.qat import QATConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+from shared.args import parse_args
+from shared.checkpoint import maybe_save_checkpoint, resume
+from shared.data import endless_batches
+from shared.launch import build_accelerator
+from shared.meter import Meter
+from shared.models import transformer_layers
+from shared.optim import optimizer_and_scheduler, total_steps
+from shared.quant import conv1d_to_linear, serialized_bytes
+from shared.results import finish
+from shared.tasks import load_task
+
+RECIPE = "qat"
+
+
+def recipe_args(p):
+    p.add_argument("--weight_bits", type=int, default=4, choices=(4, 8))
+    p.add_argument("--group_size", type=int, default=32, help="Weights per quantization scale.")
+
+
+def prefixed(metrics: dict, prefix: str) -> dict:
+    return {f"{prefix}_{k.removeprefix('eval_')}": v for k, v in metrics.items()}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, recipe_args, description=__doc__, learning_rate=1e-4)
+    accelerator = build_accelerator(args, RECIPE)
+    task = load_task(args, accelerator)
+    model = conv1d_to_linear(task.model)  # GPT-2's Conv1D layers become nn.Linear, which torchao quantizes
+    blocks = next(name for name, m in model.named_modules() if m is transformer_layers(model))
+    in_blocks = lambda m, fqn: isinstance(m, nn.Linear) and fqn.startswith(blocks + ".")  # noqa: E731
+    if any(m.in_features % args.group_size for m in transformer_layers(model).modules() if isinstance(m, nn.Linear)):
+        raise SystemExit(f"--group_size {args.group_size} must divide the in_features of every Linear layer in the "
+                         "transformer blocks. Pass a divisor, e.g. 32.")
+
+    # The technique: int8 dynamic activations and int4/int8 grouped weights, first fake-quantized, then real.
+    scheme = Int8DynamicActivationIntxWeightConfig(
+        weight_dtype=torch.int4 if args.weight_bits == 4 else torch.int8, weight_granularity=PerGroup(args.group_size))
+    start_model = copy.deepcopy(model)  # kept for the comparison: fp32, then post-training quantized
+    fp32_bytes = serialized_bytes(model.state_dict())
+    quantize_(model, QATConfig(scheme, step="prepare"), filter_fn=in_blocks)
+
+    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    optimizer, scheduler = optimizer_and_scheduler(args, model, max_steps)
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
+    )
+    start_model.to(accelerator.device)
+    extras = {"weight_bits": args.weight_bits, "group_size": args.group_size,
+              **prefixed(task.evaluate(start_model, eval_dl, accelerator), "fp32_start"),
+              **prefixed(task.evaluate(model, eval_dl, accelerator), "before_qat_fake_quant")}
+    quantize_(start_model, scheme, filter_fn=in_blocks)  # PTQ: the same scheme, no training
+    extras.update(prefixed(task.evaluate(start_model, eval_dl, accelerator), "ptq"))
+    del start_model
+    start_step, consumed = resume(accelerator, args)
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    meter = Meter(accelerator, args, task, model, optimizer)
+
+    model.train()
+    for step in meter.steps(start_step, max_steps):
+        batch = next(batches)
+        loss = task.loss(model, batch)
+        accelerator.backward(loss)
+        if args.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
+        optimizer.zero_grad(set_to_none=True)
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+
+    extras.update(prefixed(task.evaluate(model, eval_dl, accelerator), "fake_quant"))
+    # Convert: the fake-quantized layers become real int8-activation / intN-weight layers (finish evaluates them).
+    quantize_(accelerator.unwrap_model(model), QATConfig(scheme, step="convert"), filter_fn=in_blocks)
+    extras["quantized_layers"] = sum(type(m.weight).__name__ != "Parameter" and "Tensor" in type(m.weight).__name__
+                                     for m in accelerator.unwrap_model(model).modules() if isinstance(m, nn.Linear))
+    extras["fp32_state_dict_bytes"] = fp32_bytes
+    save, args.no_save_model = not args.no_save_model, True  # the converted model is saved below, not by finish
+    if save and accelerator.is_main_process:
+        path = Path(args.output_dir) / "quantized_model.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(accelerator.unwrap_model(model).state_dict(), path)
+        task.save_preprocessing(args.output_dir)
+        extras["quantized_model_bytes_on_disk"] = path.stat().st_size
+    extras["quantized_state_dict_bytes"] = serialized_bytes(accelerator.unwrap_model(model).state_dict())
+    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=extras)
+
+
+if __name__ == "__main__":
+    main()

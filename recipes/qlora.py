@@ -1,0 +1,198 @@
+"""QLoRA: the base model is loaded quantized by bitsandbytes (4-bit NF4 by default, or int8) and frozen; only small
+LoRA adapters (PEFT) train, in the run's precision. Base weights take ~0.26x (4-bit) or ~0.5x (8-bit) their bf16
+bytes, and optimizer state and gradients exist for the adapters only.
+
+--bits 4   NF4 with double quantization (the quantization scales are themselves quantized); compute dtype = the
+           run's precision (fp32, or bf16 / fp16 with --mixed_precision).
+--bits 8   LLM.int8() weights.
+Gradient checkpointing is on by default (non-reentrant), so the frozen blocks keep only their inputs for backward.
+The adapter is saved to <output_dir>/adapter; --merge also writes <output_dir>/merged, a plain full-precision model
+(the adapter folded into the original, unquantized weights).
+With no --model_name_or_path the tiny preset model is saved to <output_dir>/base_model first and quantized from there,
+standing in for a pretrained checkpoint.
+    accelerate launch recipes/qlora.py --task causal-lm --merge
+    accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/qlora.py   # DDP: one copy per process
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from accelerate.utils import DistributedType
+from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+from transformers import BitsAndBytesConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+from shared.args import parse_args
+from shared.checkpoint import maybe_save_checkpoint, resume
+from shared.data import endless_batches
+from shared.launch import build_accelerator
+from shared.meter import Meter
+from shared.models import AUTO_CLASSES
+from shared.optim import optimizer_and_scheduler, total_steps
+from shared.quant import HEAD_NAMES, head_names, lora_grad_report, quantized_weight_bytes
+from shared.results import finish
+from shared.tasks import load_task
+
+RECIPE = "qlora"
+DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def recipe_args(p):
+    p.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    p.add_argument("--bnb_4bit_quant_type", default="nf4", choices=("nf4", "fp4"))
+    p.add_argument("--no_double_quant", action="store_true", help="Keep the 4-bit scales in fp32.")
+    p.add_argument("--bnb_4bit_quant_storage", default="uint8", choices=("uint8", "bfloat16", "float16", "float32"),
+                   help="Dtype the packed 4-bit weights are stored in. ZeRO-3 / FSDP shard parameters of the model's "
+                        "dtype only: set it to that dtype (e.g. bfloat16) there.")
+    p.add_argument("--device_map", default="process", choices=("process", "auto"),
+                   help="process: each process holds its whole quantized copy on its own device (DDP or 1 process). "
+                        "auto: spread one copy over all visible devices (1 process only).")
+    p.add_argument("--lora_r", type=int, default=8)
+    p.add_argument("--lora_alpha", type=int, default=16)
+    p.add_argument("--lora_dropout", type=float, default=0.05)
+    p.add_argument("--lora_target_modules", default="all-linear",
+                   help="Comma-separated module names, or all-linear (every Linear but the output layer).")
+    p.add_argument("--no_gradient_checkpointing", action="store_true")
+    p.add_argument("--merge", action="store_true",
+                   help="Also write a merged full-precision model to <output_dir>/merged.")
+
+
+def check_combination(args, num_processes: int, sharded: bool) -> None:
+    """Stop before loading anything when the quantized model cannot train this way (sharded: ZeRO-3 or FSDP)."""
+    if args.merge and args.no_save_model:
+        raise SystemExit("--merge merges the saved adapter, and --no_save_model skips saving it. Drop one of them.")
+    if args.device_map == "auto" and num_processes > 1:
+        raise SystemExit(f"--device_map auto spreads one quantized model over several devices, which cannot train "
+                         f"data-parallel in {num_processes} processes (each needs its whole copy). Use "
+                         "--device_map process (the default), or launch a single process.")
+    if sharded and args.bits == 8:
+        raise SystemExit("8-bit bitsandbytes weights cannot be sharded by ZeRO-3 / FSDP. Use --bits 4 with "
+                         "--bnb_4bit_quant_storage bfloat16, or ZeRO-2 / DDP.")
+    if sharded and args.bnb_4bit_quant_storage == "uint8":
+        raise SystemExit("ZeRO-3 / FSDP shard parameters of one floating dtype, and 4-bit weights are packed in uint8 "
+                         "by default. Pass --bnb_4bit_quant_storage bfloat16 (the model's dtype), or use ZeRO-2 / DDP.")
+    if sharded and args.device_map == "auto":
+        raise SystemExit("--device_map auto cannot be combined with ZeRO-3 / FSDP, which place the shards themselves. "
+                         "Drop --device_map auto.")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, recipe_args, description=__doc__)
+    accelerator = build_accelerator(args, RECIPE)
+    ds = getattr(accelerator.state, "deepspeed_plugin", None)
+    sharded = bool(ds and ds.zero_stage == 3) or accelerator.distributed_type == DistributedType.FSDP
+    check_combination(args, accelerator.num_processes, sharded)
+    task = load_task(args, accelerator)
+    out = Path(args.output_dir)
+
+    # The base checkpoint to quantize: the given one, or the preset model written out once.
+    base_dir = args.model_name_or_path or str(out / "base_model")
+    if not args.model_name_or_path:
+        if accelerator.is_main_process:
+            task.model.save_pretrained(base_dir)
+            task.save_preprocessing(base_dir)
+        accelerator.wait_for_everyone()
+    config = task.model.config
+    del task.model
+
+    # The technique, part 1: load the base quantized by bitsandbytes, frozen, one whole copy per process.
+    compute_dtype = DTYPES[accelerator.mixed_precision]  # the dtype the dequantized matmuls run in
+    bnb_config = BitsAndBytesConfig(
+        load_in_4bit=args.bits == 4,
+        load_in_8bit=args.bits == 8,
+        bnb_4bit_quant_type=args.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=not args.no_double_quant,
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_quant_storage=getattr(torch, args.bnb_4bit_quant_storage),
+        llm_int8_skip_modules=list(HEAD_NAMES),  # task heads stay in full precision
+    )
+    if sharded:  # ZeRO-3 / FSDP place the shards; the storage dtype is the dtype of the rest of the model
+        device_map, dtype = None, getattr(torch, args.bnb_4bit_quant_storage)
+    else:
+        device_map, dtype = ("auto" if args.device_map == "auto" else {"": accelerator.device}), None
+    model = AUTO_CLASSES[args.task].from_pretrained(
+        base_dir, config=config, quantization_config=bnb_config, device_map=device_map, dtype=dtype,
+        trust_remote_code=args.trust_remote_code)
+    weight_bytes = quantized_weight_bytes(model)
+    # Freezes the base, casts norms and heads to fp32 for stable training, and turns on gradient checkpointing.
+    # Non-reentrant checkpointing passes gradients through frozen blocks by itself; the reentrant kind would need
+    # the inputs made to require grad (prepare_model_for_kbit_training then calls enable_input_require_grads).
+    model = prepare_model_for_kbit_training(
+        model, use_gradient_checkpointing=not args.no_gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    # The technique, part 2: LoRA adapters on the quantized Linear layers; a new classification head trains fully.
+    target = args.lora_target_modules
+    lora_config = LoraConfig(
+        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        target_modules=target if target == "all-linear" else target.split(","),
+        modules_to_save=[h for h in head_names(model) if h != "lm_head"] or None,  # lm_head is pretrained, tied
+    )
+    model = get_peft_model(model, lora_config)
+    task.model = model
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+
+    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    optimizer, scheduler = optimizer_and_scheduler(args, model, max_steps)  # trainable (adapter) parameters only
+
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
+    )
+    start_step, consumed = resume(accelerator, args)
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    meter = Meter(accelerator, args, task, model, optimizer)
+    grad_checks = []
+
+    model.train()
+    for step in meter.steps(start_step, max_steps):
+        batch = next(batches)
+        loss = task.loss(model, batch)
+        accelerator.backward(loss)
+        if len(grad_checks) < 2:  # LoRA B starts at zero: B gets gradients at once, A from the second backward
+            grad_checks.append(lora_grad_report(model))
+        if args.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
+        optimizer.zero_grad(set_to_none=True)
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+
+    extras = {"bits": args.bits, "bnb_4bit_quant_type": args.bnb_4bit_quant_type if args.bits == 4 else None,
+              "double_quant": args.bits == 4 and not args.no_double_quant,
+              "bnb_compute_dtype": str(compute_dtype).removeprefix("torch."),
+              "gradient_checkpointing": not args.no_gradient_checkpointing,
+              "trainable_params": trainable, "total_params": total,
+              "trainable_param_names": [n for n, p in accelerator.unwrap_model(model).named_parameters()
+                                        if p.requires_grad],
+              "lora_grads_first_backward": grad_checks[0] if grad_checks else None,
+              "lora_grads_second_backward": grad_checks[1] if len(grad_checks) > 1 else None,
+              **weight_bytes,
+              "quantized_to_bf16_weight_ratio": weight_bytes["quantized_weight_bytes"]
+              / max(1, weight_bytes["same_weights_bf16_bytes"])}
+
+    # The adapter (and a trained head) is what this run produces; the quantized base is not saved.
+    save, args.no_save_model = not args.no_save_model, True
+    if save:
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(model).save_pretrained(out / "adapter")
+            task.save_preprocessing(str(out / "adapter"))
+            extras["adapter_dir"] = str(out / "adapter")
+            if args.merge:
+                # Fold the adapter into the original full-precision weights, not into the quantized ones.
+                base = AUTO_CLASSES[args.task].from_pretrained(base_dir, config=config,
+                                                                trust_remote_code=args.trust_remote_code)
+                merged = PeftModel.from_pretrained(base, out / "adapter").merge_and_unload()
+                merged.save_pretrained(out / "merged")
+                task.save_preprocessing(str(out / "merged"))
+                extras["merged_dir"] = str(out / "merged")
+        accelerator.wait_for_everyone()
+    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=extras)
+
+
+if __name__ == "__main__":
+    main()

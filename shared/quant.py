@@ -1,0 +1,102 @@
+"""Measurements the quantization and pruning recipes share: bytes of quantized weights, size on disk, LoRA gradients,
+sparsity. The techniques themselves (BitsAndBytesConfig, get_peft_model, QATConfig, prune calls) stay in the recipes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# Task heads are new, randomly initialised layers: they train in full precision, never quantized or pruned.
+HEAD_NAMES = ("classifier", "score", "lm_head")
+
+
+def head_names(model: nn.Module) -> list[str]:
+    """Short names of the model's task head modules (BERT/ViT `classifier`, GPT-2 `lm_head`, Llama `score`)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_modules()
+                   if name.rsplit(".", 1)[-1] in HEAD_NAMES})
+
+
+def _tensors_of(obj: object) -> list[torch.Tensor]:
+    """A bitsandbytes weight and what dequantizes it (4-bit QuantState: absmax, nested absmax, code; 8-bit: SCB)."""
+    out = [obj] if isinstance(obj, torch.Tensor) else []
+    for attr in ("quant_state", "state2", "SCB", "CB"):
+        sub = getattr(obj, attr, None)
+        if sub is not None:
+            out += _tensors_of(sub)
+    for attr in ("absmax", "code", "offset"):
+        t = getattr(obj, attr, None)
+        if isinstance(t, torch.Tensor):
+            out.append(t)
+    return out
+
+
+def quantized_weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the bitsandbytes-quantized Linear weights (with their scales), and of the same weights in bf16."""
+    seen: set[tuple] = set()
+    stored = bf16 = layers = 0
+    for module in model.modules():
+        if type(module).__name__ not in ("Linear4bit", "Linear8bitLt"):
+            continue
+        layers += 1
+        w = module.weight
+        bf16 += module.in_features * module.out_features * 2
+        for t in _tensors_of(w) + _tensors_of(getattr(module, "state", None)):
+            key = (str(t.device), t.untyped_storage().data_ptr())
+            if key not in seen:
+                seen.add(key)
+                stored += t.untyped_storage().nbytes()
+    return {"quantized_layers": layers, "quantized_weight_bytes": stored, "same_weights_bf16_bytes": bf16}
+
+
+def lora_grad_report(model: nn.Module) -> dict[str, int]:
+    """After a backward: how many LoRA A/B matrices got no gradient, or an all-zero one."""
+    report = {"lora_params": 0, "lora_no_grad": 0, "lora_A_zero_grad": 0, "lora_B_zero_grad": 0}
+    for name, p in model.named_parameters():
+        if "lora_" not in name or not p.requires_grad:
+            continue
+        report["lora_params"] += 1
+        if p.grad is None:
+            report["lora_no_grad"] += 1
+        elif not p.grad.abs().sum().item():
+            report["lora_A_zero_grad" if "lora_A" in name else "lora_B_zero_grad"] += 1
+    return report
+
+
+def dir_bytes(path: str | Path) -> int:
+    """Size on disk of the weight files in a directory (safetensors / torch pickles), not configs or tokenizers."""
+    return sum(f.stat().st_size for f in Path(path).iterdir() if f.suffix in (".safetensors", ".bin", ".pt"))
+
+
+def linear_sparsity(model: nn.Module) -> dict[str, float]:
+    """Fraction of exact zeros in each nn.Linear weight (after pruning: what was really removed)."""
+    return {name: (m.weight == 0).float().mean().item() for name, m in model.named_modules()
+            if isinstance(m, nn.Linear)}
+
+
+def conv1d_to_linear(model: nn.Module) -> nn.Module:
+    """Swap GPT-2's Conv1D (a Linear with its weight stored transposed) for nn.Linear, in place: quantization
+    libraries (torchao quantize_, torch dynamic quantization) only recognise nn.Linear. The math is unchanged; the
+    state dict then holds [out, in] weights, so it is saved with torch.save, not reloaded by from_pretrained."""
+    from transformers.pytorch_utils import Conv1D
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Conv1D):
+                linear = nn.Linear(child.weight.shape[0], child.nf, device=child.weight.device,
+                                   dtype=child.weight.dtype)
+                with torch.no_grad():
+                    linear.weight.copy_(child.weight.t())
+                    linear.bias.copy_(child.bias)
+                setattr(parent, name, linear)
+    return model
+
+
+def serialized_bytes(state_dict: dict) -> int:
+    """Bytes of torch.save(state_dict): the size a checkpoint of it takes on disk."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    return buffer.getbuffer().nbytes

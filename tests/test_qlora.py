@@ -1,0 +1,142 @@
+"""QLoRA: a 4-bit (or 8-bit) base that takes a fraction of its bf16 bytes, adapters that alone train, get gradients
+and lower the loss, an adapter that reloads onto a freshly quantized base, a merge, DDP, and refused combinations."""
+
+
+import pytest
+import torch
+
+from tests.conftest import launch, load_recipe, run_recipe
+from tests.quant_models import make_model_dir
+
+TASKS = ("text-classification", "causal-lm", "image-classification")
+COMMON = ("--max_train_samples", "160", "--max_eval_samples", "64", "--per_device_train_batch_size", "8",
+          "--learning_rate", "3e-3", "--lora_dropout", "0")
+
+
+def _model_dir(tmp_path_factory, task):
+    # Width 256: each 4-bit layer's fixed constants (~1.3 KB of code books) are then < 1% of its weights.
+    return make_model_dir(tmp_path_factory.getbasetemp() / "models", task)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One 4-bit run per task, shared by the tests below. The causal LM runs on a width-256 model (the byte ratio is
+    measured there) and also merges; the classifiers use the tiny preset, to keep CPU time down."""
+    out = {}
+    for task in TASKS:
+        model = (("--model_name_or_path", _model_dir(tmp_path_factory, task), "--merge") if task == "causal-lm"
+                 else ("--no_save_model",))
+        out[task] = run_recipe("qlora", tmp_path_factory.mktemp(f"qlora-{task}"), "--task", task,
+                               "--max_train_steps", "8", *COMMON, *model)
+    return out
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_4bit_base_adapters_only_gradients_and_loss(runs, task):
+    r = runs[task]
+    assert (r["bits"], r["bnb_4bit_quant_type"], r["double_quant"]) == (4, "nf4", True)
+    assert r["bnb_compute_dtype"] == "float32" and r["gradient_checkpointing"]
+    assert r["quantized_layers"] >= 8
+    if task == "causal-lm":  # width 256; at width 64 the per-layer code books push it to ~0.30-0.31
+        assert r["quantized_to_bf16_weight_ratio"] <= 0.30, r["quantized_to_bf16_weight_ratio"]
+    # Only LoRA matrices train, plus the new classification head (PEFT modules_to_save) where there is one.
+    names = r["trainable_param_names"]
+    assert names and all("lora_" in n or ".modules_to_save." in n for n in names), names
+    # First backward: every LoRA matrix has a gradient; B (initialised to 0) a nonzero one, while A's is exactly 0
+    # because it is multiplied by B = 0. From the second backward on, every A and B gradient is nonzero.
+    first, second = r["lora_grads_first_backward"], r["lora_grads_second_backward"]
+    assert first["lora_params"] == 2 * r["quantized_layers"]
+    assert first["lora_no_grad"] == 0 and first["lora_B_zero_grad"] == 0
+    assert first["lora_A_zero_grad"] == first["lora_params"] // 2
+    assert second["lora_no_grad"] == second["lora_A_zero_grad"] == second["lora_B_zero_grad"] == 0
+    if task != "text-classification":  # a frozen random BERT sits at ln 2 for many more than 8 steps
+        assert r["train_loss"] < r["initial_loss"]
+
+
+def _batch(model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return tok(["the red fox ran to the river .", "one two three four"], return_tensors="pt", padding=True)
+
+
+def test_adapter_reloads_onto_fresh_4bit_base_and_merge(runs, tmp_path_factory):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    r = runs["causal-lm"]
+    model_dir = _model_dir(tmp_path_factory, "causal-lm")
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.float32)
+    batch = _batch(model_dir)
+    logits = []
+    for _ in range(2):  # two fresh quantized bases, each with the saved adapter
+        base = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb, device_map={"": "cpu"})
+        model = PeftModel.from_pretrained(base, r["adapter_dir"]).eval()
+        with torch.no_grad():
+            logits.append(model(**batch).logits)
+    assert torch.equal(logits[0], logits[1])
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb, device_map={"": "cpu"})
+        assert (plain(**batch).logits - logits[0]).abs().max() > 1e-4  # the adapter changed the model
+
+    # Same logits as the trained model: the reloaded adapter's eval loss is the one the run reported.
+    from accelerate import Accelerator
+
+    from shared.args import parse_args
+    from shared.tasks import load_task
+
+    args = parse_args(["--task", "causal-lm", "--model_name_or_path", str(model_dir), *COMMON[:4]])
+    task = load_task(args, Accelerator(cpu=True))
+    assert task.evaluate(model, task.eval_dataloader, Accelerator(cpu=True))["eval_loss"] == pytest.approx(
+        r["eval_loss"], abs=1e-5)
+
+    # --merge: a plain model with no LoRA weights, equal to the adapter on the full-precision base.
+    merged = AutoModelForCausalLM.from_pretrained(r["merged_dir"]).eval()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    full = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), r["adapter_dir"]).eval()
+    with torch.no_grad():
+        assert (merged(**batch).logits - full(**batch).logits).abs().max() < 1e-4
+
+
+def test_8bit_base(tmp_path_factory):
+    task = "text-classification"
+    r = run_recipe("qlora", tmp_path_factory.mktemp("qlora8"), "--task", task, "--bits", "8",
+                   "--model_name_or_path", _model_dir(tmp_path_factory, task), "--max_train_steps", "3", *COMMON,
+                   "--no_save_model")
+    assert r["bits"] == 8 and r["quantized_layers"] >= 12
+    assert r["quantized_to_bf16_weight_ratio"] <= 0.55, r["quantized_to_bf16_weight_ratio"]
+    assert r["lora_grads_first_backward"]["lora_no_grad"] == 0
+
+
+@pytest.mark.slow
+def test_qlora_ddp_two_processes(tmp_path):
+    r = launch("qlora", tmp_path, "--task", "causal-lm", "--max_train_steps", "6", *COMMON)
+    assert r["num_processes"] == 2 and r["distributed_type"] == "MULTI_CPU"
+    assert r["bits"] == 4 and r["quantized_layers"] > 0
+    assert len(r["param_bytes"]) == 2 and r["param_bytes"][0] == r["param_bytes"][1]  # a whole copy per process
+    assert r["lora_grads_second_backward"]["lora_no_grad"] == 0
+    assert r["train_loss"] < r["initial_loss"]
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.parametrize("flags, processes, sharded, message", [
+    (["--device_map", "auto"], 2, False, "spreads one quantized model over several devices"),  # under DDP
+    (["--bits", "4"], 1, True, "Pass --bnb_4bit_quant_storage bfloat16"),  # ZeRO-3 / FSDP without quant storage
+    (["--bits", "8"], 1, True, "8-bit bitsandbytes weights cannot be sharded"),
+    (["--bits", "4", "--bnb_4bit_quant_storage", "bfloat16", "--device_map", "auto"], 1, True, "--device_map auto"),
+    (["--merge", "--no_save_model"], 1, False, "Drop one of them"),
+])
+def test_bad_combinations_fail_fast(flags, processes, sharded, message):
+    # The check main() runs right after the Accelerator is built, before loading anything. Called directly: ZeRO-3
+    # cannot start on this CPU box, and a 2-process launch only to see it refuse costs ~30 s of test time.
+    qlora = load_recipe("qlora")
+    args = qlora.parse_args(flags, qlora.recipe_args)
+    with pytest.raises(SystemExit, match=message):
+        qlora.check_combination(args, num_processes=processes, sharded=sharded)
+
+
+def test_merge_without_saving_stops_before_training(tmp_path):
+    with pytest.raises(SystemExit, match="Drop one of them"):
+        run_recipe("qlora", tmp_path, "--merge", "--no_save_model")
+    assert not (tmp_path / "base_model").exists()
