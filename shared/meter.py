@@ -77,12 +77,17 @@ def state_bytes(model: nn.Module, optimizer: object | None = None) -> dict[str, 
 
 
 def param_fingerprint(model: nn.Module) -> float:
-    """A number that differs when this process's parameters differ: equal on every rank iff replicas are in sync."""
+    """A number that differs when this process's parameters differ: equal on every rank iff replicas are in sync.
+
+    Sharded parameters (FSDP2 DTensors) count their local shard, so the ranks differ there by design.
+    """
     with torch.no_grad():
         total = torch.zeros((), dtype=torch.float64)
         for i, p in enumerate(model.parameters()):
-            if p.numel():
-                total += (p.detach().double().flatten().cpu() * (1 + (torch.arange(p.numel()) % 7))).sum() * (i + 1)
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if local.numel():
+                weights = 1 + (torch.arange(local.numel()) % 7)
+                total += (local.detach().double().flatten().cpu() * weights).sum() * (i + 1)
     return total.item()
 
 
