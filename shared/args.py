@@ -69,6 +69,8 @@ def parse_args(
     g.add_argument("--report_to", default="tensorboard", help="Tracker(s) for Accelerate, comma-separated, or 'none'.")
     g.add_argument("--logging_steps", type=int, default=10)
     g.add_argument("--no_save_model", action="store_true", help="Skip saving the final model (tests, benchmarks).")
+    g.add_argument("--preflight", action="store_true",
+                   help="Resolve and check the configuration, print it, and stop before the first step.")
 
     if add_recipe_args is not None:
         add_recipe_args(p.add_argument_group("this recipe"))

@@ -14,6 +14,7 @@ from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitPr
 
 from shared.checkpoint import install_preemption_handler
 from shared.fsdp_cpu import force_fsdp_on_cpu
+from shared.preflight import check_environment
 
 logger = logging.getLogger("recipes")
 
@@ -48,14 +49,15 @@ def build_accelerator(
 ) -> Accelerator:
     """An Accelerator that really does what the launch config asks, on GPUs and on CPU-only machines alike.
 
-    Fills args.output_dir and args.mixed_precision with the resolved values. `accumulates`: the recipe's loop
-    uses accelerator.accumulate; other recipes refuse --gradient_accumulation_steps > 1, since Accelerate would
+    Fills args.recipe, args.output_dir and args.mixed_precision with the resolved values. `accumulates`: the
+    recipe's loop uses accelerator.accumulate; other recipes refuse --gradient_accumulation_steps > 1, since Accelerate would
     still divide every loss by it. Extra keyword arguments go to the Accelerator (a recipe passes its DeepSpeed
     or FSDP plugin this way, in plain sight).
     """
     if args.gradient_accumulation_steps > 1 and not accumulates:
         raise SystemExit(f"--gradient_accumulation_steps {args.gradient_accumulation_steps}: recipes/{recipe}.py does "
                          "not accumulate gradients. Use recipes/gradient_accumulation.py, or drop the flag.")
+    args.recipe = recipe
     args.output_dir = args.output_dir or str(Path("outputs") / f"{recipe}-{args.task}")
     args.mixed_precision = resolve_mixed_precision(args, default_mixed_precision)
     world = launched_world_size()
@@ -71,6 +73,7 @@ def build_accelerator(
     kwargs_handlers.append(process_group)
     uses_deepspeed = _env_true("ACCELERATE_USE_DEEPSPEED") or "deepspeed_plugin" in accelerator_kwargs
     uses_fsdp = _env_true("ACCELERATE_USE_FSDP") or "fsdp_plugin" in accelerator_kwargs
+    check_environment(args, uses_deepspeed)
     cpu = False
     if on_cpu and world > 1:
         if uses_deepspeed:

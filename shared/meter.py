@@ -190,7 +190,14 @@ class Meter:
         self._warmup = True
 
     def steps(self, start: int, stop: int) -> Iterator[int]:
-        """Optimizer steps start..stop-1. The first step of a run is warm-up and is left out of the timing."""
+        """Optimizer steps start..stop-1. The first step of a run is warm-up and is left out of the timing.
+
+        With --preflight, the resolved configuration is reported here, after prepare(), and the run stops.
+        """
+        if self.args.preflight:
+            from shared.preflight import report
+
+            report(self.accelerator, self.args, self.task, self.model, self.optimizer)
         bar = tqdm(range(start, stop), initial=start, total=stop, desc="train",
                    disable=not self.accelerator.is_local_main_process, dynamic_ncols=True)
         reset_peak_memory(self.accelerator.device)

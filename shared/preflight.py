@@ -1,0 +1,132 @@
+"""Preflight: the effective configuration of a run, checked against this machine, without training.
+
+    python -m shared.preflight [--config_file accelerate_configs/X.yaml] recipes/Y.py [recipe args]
+
+It launches the recipe as `accelerate launch` would, with --preflight: the recipe parses its flags, builds the
+Accelerator (every start-up check of shared/launch.py runs), loads data and model, and prepares them (DeepSpeed
+fills its "auto" values there), then prints the resolved configuration and the planner's memory estimate against
+the memory available, writes preflight.json in the output directory, and stops before the first step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+def check_environment(args, uses_deepspeed: bool) -> None:
+    """What this machine cannot do, refused at start-up with the fix (every recipe runs it)."""
+    if uses_deepspeed:
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            raise SystemExit("This launch config asks for DeepSpeed, which is not installed. "
+                             "`pip install -r requirements.txt` (deepspeed==0.19.8).") from None
+    if args.mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise SystemExit(f"--mixed_precision bf16: {torch.cuda.get_device_name()} has no bf16 support. "
+                         "Use --mixed_precision fp16 (dynamic loss scaling), or fp32.")
+
+
+def _technique(recipe: str, accelerator):
+    """The planner's model of this run, if it has one."""
+    from shared.plan import TECHNIQUES
+
+    candidates = [t for t in TECHNIQUES if t.recipe == recipe]
+    ds = getattr(accelerator.state, "deepspeed_plugin", None)
+    if ds is not None:
+        zero = ds.deepspeed_config.get("zero_optimization", {})
+        strategy = f"zero{zero.get('stage', 0)}"
+        offload = zero.get("offload_param", {}).get("device", "none")
+        offload = {"cpu": "all", "nvme": "nvme"}.get(offload, "optimizer" if zero.get("offload_optimizer", {}).get(
+            "device", "none") != "none" else "none")
+        candidates = [t for t in candidates if t.strategy == strategy and t.offload == offload]
+    return candidates[0] if candidates else None
+
+
+def _memory_estimate(recipe: str, accelerator, args, model) -> dict:
+    from shared.plan import CPU_RUNTIME_BYTES, model_spec, predict
+
+    tech = _technique(recipe, accelerator)
+    if tech is None:
+        return {"estimate": f"the planner has no model of recipes/{recipe}.py"}
+    spec = model_spec(accelerator.unwrap_model(model).config, args.task, "run")
+    seq = None if args.task == "image-classification" else args.max_seq_length
+    precision = "bf16" if args.mixed_precision in ("bf16", "fp16") else "fp32"
+    on_gpu = accelerator.device.type == "cuda"
+    p = predict(spec, tech, precision, accelerator.num_processes, args.per_device_train_batch_size, seq,
+                kernels="cuda" if on_gpu else "cpu")
+    if on_gpu:
+        free, _ = torch.cuda.mem_get_info(accelerator.device)
+        need = p.device_peak
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available // accelerator.num_processes
+        need = p.device_peak + p.host + CPU_RUNTIME_BYTES
+    return {"technique": tech.name, "predicted_peak_bytes_per_process": int(need),
+            "available_bytes_per_process": int(free), "fits": bool(need <= free)}
+
+
+def report(accelerator, args, task, model, optimizer) -> None:
+    """Print and save the resolved configuration, then end the run before its first step (exit code 0, or 3 when
+    the memory estimate does not fit)."""
+    recipe = args.recipe
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    resolved = {
+        "recipe": recipe,
+        "task": args.task,
+        "model": task.model_id,
+        "data": task.data_source,
+        "train_examples": len(task.train_dataloader.dataset),
+        "distributed_type": accelerator.distributed_type.value,
+        "num_processes": accelerator.num_processes,
+        "device": str(accelerator.device),
+        "mixed_precision": accelerator.mixed_precision,
+        "fp16_path": ("torch CPU autocast + GradScaler" if accelerator.mixed_precision == "fp16"
+                      and accelerator.device.type == "cpu" and accelerator.scaler is not None else None),
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "global_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+        * accelerator.num_processes,
+        "max_train_steps": args.max_train_steps,
+        "learning_rate": args.learning_rate,
+        "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+        "trainable_parameters_this_process": trainable,
+        "deepspeed_config": getattr(getattr(accelerator.state, "deepspeed_plugin", None), "deepspeed_config", None),
+        "fsdp_plugin": repr(getattr(accelerator.state, "fsdp_plugin", None)),
+        "memory": _memory_estimate(recipe, accelerator, args, model),
+    }
+    if accelerator.is_main_process:
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "preflight.json").write_text(json.dumps(resolved, indent=2, default=str))
+        print(json.dumps(resolved, indent=2, default=str))
+        if resolved["memory"].get("fits") is False:
+            print("WARNING: the predicted peak exceeds the memory available: see docs/planner.md and "
+                  "`python -m shared.plan` for combinations that fit.")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    raise SystemExit(3 if resolved["memory"].get("fits") is False else 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    launch_args: list[str] = []
+    while argv and not argv[0].endswith(".py"):
+        launch_args.append(argv.pop(0))
+    if not argv:
+        raise SystemExit(__doc__)
+    recipe, *recipe_args = argv
+    if not Path(recipe).exists():
+        raise SystemExit(f"{recipe!r} does not exist. Name a recipe, e.g. recipes/baseline.py.")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, recipe, *recipe_args, "--preflight"]
+    return subprocess.call(cmd, env={**os.environ})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
