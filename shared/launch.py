@@ -59,11 +59,16 @@ def build_accelerator(
     uses_deepspeed = _env_true("ACCELERATE_USE_DEEPSPEED") or "deepspeed_plugin" in accelerator_kwargs
     uses_fsdp = _env_true("ACCELERATE_USE_FSDP") or "fsdp_plugin" in accelerator_kwargs
     cpu = False
-    if on_cpu and world > 1:
-        if uses_deepspeed:
-            # Without GPUs Accelerate counts one process under DeepSpeed unless the process group is gloo.
-            kwargs_handlers.append(InitProcessGroupKwargs(backend="gloo"))
-        elif uses_fsdp:
+    if uses_deepspeed and "LOCAL_RANK" not in os.environ:
+        # One process without a launcher (plain `accelerate launch` or `python`): DeepSpeed still needs a process
+        # group, and Accelerate only creates one when the launcher's variables are set.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    if on_cpu and uses_deepspeed:
+        # Without GPUs Accelerate counts one process under DeepSpeed unless the process group is gloo.
+        kwargs_handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    elif on_cpu and world > 1:
+        if uses_fsdp:
             # On CPU Accelerate never enables FSDP: the replicas would train unsynced. Refuse rather than pretend.
             raise SystemExit(
                 "FSDP on a CPU-only machine is not enabled by Accelerate (the replicas would train unsynced). "
@@ -102,6 +107,12 @@ def build_accelerator(
             f"(distributed_type={accelerator.distributed_type}): the processes would train unsynced copies. "
             "On a CPU-only machine use accelerate_configs/multi_cpu.yaml (MULTI_GPU with use_cpu: true)."
         )
+    if uses_deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        # `use_cpu: true` in the accelerate config turns DeepSpeed off: the run would not be the one asked for.
+        raise SystemExit(
+            f"This recipe runs DeepSpeed, but Accelerate resolved distributed_type={accelerator.distributed_type}. "
+            "Use a DeepSpeed accelerate config (accelerate_configs/zero*.yaml, `use_cpu: false`) or none."
+        )
     if (
         accelerator.mixed_precision == "fp16"
         and accelerator.device.type == "cpu"
@@ -123,6 +134,14 @@ def build_accelerator(
         accelerator.device, accelerator.mixed_precision, args.output_dir,
     )
     return accelerator
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _enable_cpu_fp16(accelerator: Accelerator) -> None:
