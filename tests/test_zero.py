@@ -188,7 +188,7 @@ def test_zero3_resume_from_json_config(runs, tmp_path):
 
 
 @pytest.mark.xfail(strict=True, reason="open: resumed ZeRO-2 + CPU offload run differs by ~5e-4 (about lr/2) from the "
-                   "uninterrupted one, with or without dropout; ZeRO-3 without offload resumes exactly. Not yet traced.")
+                   "uninterrupted one, with or without dropout; ZeRO-3 without offload resumes exactly. Untraced.")
 def test_zero2_offload_resume(tmp_path):
     """ZeRO-2 with the optimizer offloaded to CPU (DeepSpeedCPUAdam), ViT: stop at step 3, resume, same result."""
     args = ("--task", "image-classification", "--max_train_steps", 6, "--max_train_samples", 256,
