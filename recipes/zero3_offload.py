@@ -23,6 +23,7 @@ from shared.deepspeed_setup import (
     count_model_states_at_first_step,
     deepspeed_summary,
     resolve_deepspeed_config,
+    schedule_the_optimizer_that_steps,
 )
 from shared.launch import build_accelerator
 from shared.meter import Meter
@@ -79,6 +80,7 @@ def main(argv=None) -> dict:
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
+    schedule_the_optimizer_that_steps(model, scheduler)  # else, after a resume with offload, the learning rate freezes
     start_step, consumed = resume(accelerator, args)
     k = args.gradient_accumulation_steps
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
