@@ -76,6 +76,12 @@ def parse_args(
         add_recipe_args(p.add_argument_group("this recipe"))
     p.set_defaults(**defaults)
     args = p.parse_args(argv)
+    # Which flags the user really passed (not defaults): a recipe can then tell a choice from a default when
+    # another source (an accelerate config, a DeepSpeed JSON) sets the same thing. argparse fills a default only
+    # where the namespace lacks the attribute, so a namespace pre-filled with a marker keeps it for unset flags.
+    marker = object()
+    probe = p.parse_args(argv, namespace=argparse.Namespace(**{a.dest: marker for a in p._actions}))
+    args.explicit_flags = {k for k, v in vars(probe).items() if v is not marker}
     for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                  "max_seq_length"):
         if getattr(args, flag) < 1:

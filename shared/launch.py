@@ -75,11 +75,16 @@ def build_accelerator(
     uses_fsdp = _env_true("ACCELERATE_USE_FSDP") or "fsdp_plugin" in accelerator_kwargs
     check_environment(args, uses_deepspeed)
     cpu = False
-    if on_cpu and world > 1:
-        if uses_deepspeed:
-            # Without GPUs Accelerate counts one process under DeepSpeed unless the process group is gloo.
-            process_group.backend = "gloo"
-        elif uses_fsdp:
+    if uses_deepspeed and "LOCAL_RANK" not in os.environ:
+        # One process without a launcher (plain `accelerate launch` or `python`): DeepSpeed still needs a process
+        # group, and Accelerate only creates one when the launcher's variables are set.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    if on_cpu and uses_deepspeed:
+        # Without GPUs Accelerate counts one process under DeepSpeed unless the process group is gloo.
+        process_group.backend = "gloo"
+    elif on_cpu and world > 1:
+        if uses_fsdp:
             # Accelerate never enables FSDP without GPUs (the replicas would train unsynced): start a gloo group
             # here and force FSDP2 once the Accelerator exists (shared/fsdp_cpu.py).
             process_group.backend = "gloo"
@@ -114,6 +119,12 @@ def build_accelerator(
             f"{world} processes were launched but Accelerate sees {accelerator.num_processes} "
             f"(distributed_type={accelerator.distributed_type}): the processes would train unsynced copies. "
             "On a CPU-only machine use accelerate_configs/multi_cpu.yaml (MULTI_GPU with use_cpu: true)."
+        )
+    if uses_deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        # `use_cpu: true` in the accelerate config turns DeepSpeed off: the run would not be the one asked for.
+        raise SystemExit(
+            f"This recipe runs DeepSpeed, but Accelerate resolved distributed_type={accelerator.distributed_type}. "
+            "Use a DeepSpeed accelerate config (accelerate_configs/zero*.yaml, `use_cpu: false`) or none."
         )
     if (
         accelerator.mixed_precision == "fp16"
@@ -152,6 +163,14 @@ def _trackers(report_to: str | None) -> list[str] | None:
         raise SystemExit(f"--report_to {','.join(missing)}: not installed. `pip install {' '.join(missing)}`, "
                          f"or pick from the installed trackers {sorted(available)} or 'none'.")
     return names
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _enable_cpu_fp16(accelerator: Accelerator) -> None:

@@ -1,0 +1,105 @@
+"""DeepSpeed ZeRO stage 1, 2 or 3: optimizer state (1), + gradients (2), + parameters (3) sharded across processes.
+
+The stage comes from the accelerate config, or --zero_stage without one. A DeepSpeed JSON (--deepspeed_config, or
+deepspeed_config_file in the accelerate config) overrides the recipe's settings; accumulation, clipping, micro-batch
+and precision must agree between the flags, the accelerate config and the JSON, or the run stops before training.
+    accelerate launch --config_file accelerate_configs/zero2.yaml recipes/zero.py            # 2 processes, ZeRO-2
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/zero.py --task causal-lm
+    accelerate launch recipes/zero.py --zero_stage 3 --deepspeed_config accelerate_configs/ds_config_auto.json
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+from accelerate.utils import DeepSpeedPlugin
+
+from shared.args import parse_args
+from shared.checkpoint import maybe_save_checkpoint, resume
+from shared.data import endless_batches
+from shared.deepspeed_setup import (
+    add_deepspeed_args,
+    count_model_states_at_first_step,
+    deepspeed_summary,
+    resolve_deepspeed_config,
+    schedule_the_optimizer_that_steps,
+)
+from shared.launch import build_accelerator
+from shared.meter import Meter
+from shared.optim import optimizer_and_scheduler, total_steps
+from shared.results import finish
+from shared.tasks import load_task
+
+RECIPE = "zero"
+
+
+def add_args(group):
+    group.add_argument("--zero_stage", type=int, default=2, choices=(1, 2, 3),
+                       help="Used when no accelerate config / DeepSpeed JSON sets the stage.")
+    add_deepspeed_args(group)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, add_args, description=__doc__)
+    # The recipe's DeepSpeed settings; "auto" ones are filled from the flags. An accelerate config or a DeepSpeed
+    # JSON overrides them, and explicit values that disagree stop the run here, before anything is built.
+    ds_config = resolve_deepspeed_config(args, {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {
+            "stage": args.zero_stage,
+            "stage3_gather_16bit_weights_on_model_save": True,  # save_model gathers one consolidated model
+            # "auto": sized from hidden_size. DeepSpeed's default threshold (1e5) would keep every tensor of a
+            # small model whole on every process.
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "reduce_bucket_size": "auto",
+        },
+    })
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config,
+                             # ZeRO-3: build the model under zero.Init, so no process ever holds all of it.
+                             zero3_init_flag=ds_config["zero_optimization"]["stage"] == 3)
+    accelerator = build_accelerator(args, RECIPE, accumulates=True, deepspeed_plugin=plugin)
+    task = load_task(args, accelerator)  # after the Accelerator: ZeRO-3 partitions the model as it is built
+    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
+
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
+    )
+    schedule_the_optimizer_that_steps(model, scheduler)  # else, after a resume with offload, the learning rate freezes
+    start_step, consumed = resume(accelerator, args)
+    k = args.gradient_accumulation_steps
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    meter = Meter(accelerator, args, task, model, optimizer)
+    meter.extras.update(deepspeed_summary(accelerator, model))
+    count_model_states_at_first_step(meter, model, optimizer)  # ZeRO frees gradients inside its step
+
+    model.train()
+    for step in meter.steps(start_step, max_steps):
+        window = [next(batches) for _ in range(k)]
+        # Items (tokens or samples) in the whole accumulated batch, summed over all processes.
+        num_items = accelerator.reduce(sum(task.count_items(b) for b in window), "sum")
+        # DeepSpeed divides by k and averages over processes: scale so each item weighs 1/num_items.
+        divisor = num_items / (k * accelerator.num_processes)
+        step_loss = 0.0
+        for batch in window:
+            with accelerator.accumulate(model):
+                loss = task.loss(model, batch, num_items=divisor)
+                # DeepSpeed's engine: backward, and at the k-th micro-batch clipping (gradient_clipping from the
+                # resolved config), the optimizer step, the scheduler step and zero_grad.
+                accelerator.backward(loss)
+            step_loss += loss.detach() / k
+        optimizer.step()  # no-ops under DeepSpeed, kept so the loop reads like every other recipe
+        scheduler.step()
+        meter.record(step, step_loss, window)
+        optimizer.zero_grad(set_to_none=True)
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=(step + 1) * k)
+
+    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter)
+
+
+if __name__ == "__main__":
+    main()
