@@ -50,9 +50,9 @@ def build_accelerator(
     """An Accelerator that really does what the launch config asks, on GPUs and on CPU-only machines alike.
 
     Fills args.recipe, args.output_dir and args.mixed_precision with the resolved values. `accumulates`: the
-    recipe's loop uses accelerator.accumulate; other recipes refuse --gradient_accumulation_steps > 1, since Accelerate would
-    still divide every loss by it. Extra keyword arguments go to the Accelerator (a recipe passes its DeepSpeed
-    or FSDP plugin this way, in plain sight).
+    recipe's loop uses accelerator.accumulate; other recipes refuse --gradient_accumulation_steps > 1, since
+    Accelerate would still divide every loss by it. Extra keyword arguments go to the Accelerator (a recipe passes
+    its DeepSpeed or FSDP plugin this way, in plain sight).
     """
     if args.gradient_accumulation_steps > 1 and not accumulates:
         raise SystemExit(f"--gradient_accumulation_steps {args.gradient_accumulation_steps}: recipes/{recipe}.py does "
