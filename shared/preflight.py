@@ -36,6 +36,8 @@ def _technique(recipe: str, accelerator):
     """The planner's model of this run, if it has one."""
     from shared.plan import TECHNIQUES
 
+    # Accumulating or data-parallel runs hold what the baseline holds for one micro-batch.
+    recipe = {"gradient_accumulation": "baseline", "data_parallel": "baseline"}.get(recipe, recipe)
     candidates = [t for t in TECHNIQUES if t.recipe == recipe]
     ds = getattr(accelerator.state, "deepspeed_plugin", None)
     if ds is not None:
