@@ -93,3 +93,12 @@ def test_resume_latest_picks_newest_complete_checkpoint(tmp_path):
     r = run_recipe("baseline", tmp_path, "--max_train_steps", 6, "--resume_from_checkpoint", "latest",
                    "--no_save_model")
     assert r["resumed_from_step"] == 4
+
+
+@pytest.mark.slow
+def test_gpu_config_runs_as_gloo_ddp_without_gpus(tmp_path):
+    """multi_gpu.yaml unchanged on a CPU-only machine: real 2-process DDP over gloo, replicas in sync."""
+    r = launch("baseline", tmp_path, "--max_train_steps", 3, "--no_save_model", config="multi_gpu.yaml",
+               launch_args=("--num_processes", "2"))
+    assert (r["distributed_type"], r["num_processes"]) == ("MULTI_CPU", 2)
+    assert r["param_fingerprint"][0] == r["param_fingerprint"][1]
