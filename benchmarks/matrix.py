@@ -317,7 +317,8 @@ def plot(report: dict, path: Path) -> None:
                    color="orange", label="peak (planner)", zorder=4)
         ax.set_title(f"{preset} preset: memory per process (MiB)")
         ax.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=7)
-        ax.legend(fontsize=7, loc="lower right", framealpha=0.9)
+        ax.set_ylim(0, max(peak + [p / mib for p in pred if p]) * 1.45)  # headroom: the legend sits above the bars
+        ax.legend(fontsize=7, loc="upper center", ncol=3, framealpha=0.9)
         ax = axes[i][1]
         speed = [r.get("throughput_vs_baseline") or 0 for r in rs]
         ax.bar(x, speed, color="#8172b2", width=0.6)
