@@ -114,7 +114,39 @@ CASES = [
     Case("partial-checkpoint", "a checkpoint whose save never finished", [],
          ["is not a complete checkpoint: no manifest.json", "'latest' to take the newest complete one"],
          setup=lambda t: ["--resume_from_checkpoint", _checkpoint_dir(t)]),
+    Case("deepspeed-fp16-on-cpu", "fp16 under DeepSpeed on a machine without a GPU (DeepSpeed refuses it)",
+         ["--mixed_precision", "fp16"], ["fp16", "Use --mixed_precision bf16"], recipe="zero"),
+    Case("deepspeed-conflicting-accumulation", "accumulation 4 in the DeepSpeed JSON, 2 on the command line",
+         ["--gradient_accumulation_steps", "2"], ["4 from the DeepSpeed JSON", "2 from --gradient_accumulation_steps"],
+         recipe="zero", setup=lambda t: ["--deepspeed_config", _ds_json(t, gradient_accumulation_steps=4)]),
+    Case("nvme-without-path", "NVMe offload without a directory to swap to", ["--offload", "nvme"],
+         ["to nvme needs a directory", "pass --nvme_path DIR"], recipe="zero3_offload"),
+    Case("paged-optimizer-without-cuda", "a paged 8-bit optimizer on a machine without CUDA", ["--paged"],
+         ["--paged needs a CUDA device", "Drop --paged"], recipe="optim_8bit"),
+    Case("merge-without-adapter", "merging an adapter that the run is told not to save", ["--merge", "--no_save_model"],
+         ["--no_save_model skips saving it", "Drop one of them"], recipe="qlora"),
+    Case("fsdp-single-process", "FSDP with one process: nothing to shard over", [],
+         ["FSDP shards over processes", "accelerate_configs/fsdp.yaml"], recipe="fsdp"),
+    Case("microbatches-not-dividing", "a pipeline batch that micro-batches do not divide",
+         ["--per_device_train_batch_size", "6", "--n_microbatches", "4"],
+         ["not divisible by --n_microbatches", "pick a batch size that is a multiple of it"],
+         recipe="pipeline_parallel"),
+    Case("impossible-sparsity", "a pruning target of 150%", ["--target_sparsity", "1.5"],
+         ["--target_sparsity must be in [0, 1)"], recipe="pruning"),
+    Case("pruning-past-the-end", "a pruning schedule that ends after training does", ["--pruning_end_step", "9"],
+         ["--pruning_end_step <= training steps"], recipe="pruning"),
 ]
+
+
+def _ds_json(tmp: Path, **values) -> Path:
+    import json
+
+    config = json.loads((Path(__file__).resolve().parents[1] / "accelerate_configs/ds_config_zero3_auto.json")
+                        .read_text())
+    config.update(values)
+    path = tmp / "ds.json"
+    path.write_text(json.dumps(config))
+    return path
 
 
 def _write(path: Path, text: str) -> Path:
