@@ -5,7 +5,7 @@ deepspeed_config_file in the accelerate config) overrides the recipe's settings;
 and precision must agree between the flags, the accelerate config and the JSON, or the run stops before training.
     accelerate launch --config_file accelerate_configs/zero2.yaml recipes/zero.py            # 2 processes, ZeRO-2
     accelerate launch --config_file accelerate_configs/zero3.yaml recipes/zero.py --task causal-lm
-    accelerate launch recipes/zero.py --zero_stage 3 --deepspeed_config accelerate_configs/ds_config_auto.json
+    accelerate launch recipes/zero.py --zero_stage 3 --deepspeed_config accelerate_configs/ds_config_zero3_auto.json
 """
 
 import sys
