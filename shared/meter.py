@@ -84,10 +84,12 @@ def param_fingerprint(model: nn.Module) -> float:
     with torch.no_grad():
         total = torch.zeros((), dtype=torch.float64)
         for i, p in enumerate(model.parameters()):
-            local = p.to_local() if isinstance(p, DTensor) else p
+            local = (p.to_local() if isinstance(p, DTensor) else p).detach()
+            if type(local) is not torch.Tensor:  # quantized tensor subclasses (torchao) support few ops
+                continue
             if local.numel():
                 weights = 1 + (torch.arange(local.numel()) % 7)
-                total += (local.detach().double().flatten().cpu() * weights).sum() * (i + 1)
+                total += (local.double().flatten().cpu() * weights).sum() * (i + 1)
     return total.item()
 
 
