@@ -79,7 +79,7 @@ def build_accelerator(
         # One process without a launcher (plain `accelerate launch` or `python`): DeepSpeed still needs a process
         # group, and Accelerate only creates one when the launcher's variables are set.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
     if on_cpu and uses_deepspeed:
         # Without GPUs Accelerate counts one process under DeepSpeed unless the process group is gloo.
         process_group.backend = "gloo"
@@ -165,7 +165,8 @@ def _trackers(report_to: str | None) -> list[str] | None:
     return names
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a process group's rendezvous."""
     import socket
 
     with socket.socket() as s:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from shared.launch import free_port  # noqa: F401  (tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
@@ -48,12 +49,6 @@ def run_recipe(name: str, output_dir: Path, *args: str) -> dict:
     written = json.loads((Path(output_dir) / "results.json").read_text())
     assert written["recipe"] == returned["recipe"]
     return written
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(name: str, output_dir: Path, *args: str, config: str | None = "multi_cpu.yaml",

@@ -1,7 +1,5 @@
 """Mixed precision really runs in 16 bits and trains like fp32; checkpointing saves memory and changes no gradient."""
 
-import json
-
 import pytest
 
 from tests.conftest import launch, run_recipe
@@ -78,4 +76,3 @@ def test_checkpointing_lowers_peak_memory(tmp_path):
     print(f"peak RSS: {base['peak_memory_bytes'][0] / 2**20:.0f} MiB -> {ckpt['peak_memory_bytes'][0] / 2**20:.0f} "
           f"MiB ({saved / 2**20:.0f} MiB saved); s/step x{ckpt['seconds_per_step'] / base['seconds_per_step']:.2f}")
     assert saved > 50 * 2**20
-    json.dumps(base)

@@ -1,7 +1,5 @@
 """Every foundation recipe trains every task on the built-in data, and results.json keeps its contract."""
 
-import json
-
 import pytest
 from transformers import AutoConfig
 
@@ -46,5 +44,4 @@ def test_default_data_is_learnable(tmp_path):
     assert r["eval_accuracy"] >= 0.9, r["eval_accuracy"]
     r = run_recipe("baseline", tmp_path / "lm", "--task", "causal-lm", "--max_train_steps", 120, "--no_save_model",
                    "--learning_rate", "3e-3")
-    vocab = json.loads((tmp_path / "lm" / "results.json").read_text())
-    assert vocab["eval_perplexity"] < 8, r["eval_perplexity"]  # chance is the vocabulary, about 60 words
+    assert r["eval_perplexity"] < 8, r["eval_perplexity"]  # chance is the vocabulary, about 60 words
