@@ -50,6 +50,7 @@ class Run:
     args: tuple[str, ...] = ()
     technique: Technique | None = None  # how the planner models it; None: not predicted
     quick: bool = False  # part of --quick
+    presets: tuple[str, ...] = ("tiny", "base")  # multi-process base-size runs take many minutes on 2 CPU cores
 
     @property
     def name(self) -> str:
@@ -68,6 +69,30 @@ RUNS: list[Run] = [
         technique=T("mixed_precision", "mixed_precision", None, precision="bf16")),
     Run("gradient_accumulation", args=("--gradient_accumulation_steps", "2"), technique=T("ga", "ga", None)),
     Run("baseline", config="multi_cpu.yaml", technique=T("ddp", "baseline", None)),
+    # Memory techniques in 2 processes (1 for the quantized ones), tiny preset in --quick.
+    Run("optim_8bit", technique=T("optim_8bit", "optim_8bit", None, optimizer="adamw8bit"), quick=True,
+        presets=("tiny",)),
+    Run("zero", config="zero1.yaml", technique=T("zero1", "zero", "zero1.yaml", strategy="zero1")),
+    Run("zero", config="zero2.yaml", technique=T("zero2", "zero", "zero2.yaml", strategy="zero2"), quick=True,
+        presets=("tiny",)),
+    Run("zero", config="zero3.yaml", technique=T("zero3", "zero", "zero3.yaml", strategy="zero3"), quick=True,
+        presets=("tiny",)),
+    Run("zero3_offload", config="zero2_offload.yaml",
+        technique=T("zero2_offload", "zero3_offload", "zero2_offload.yaml", strategy="zero2", offload="optimizer")),
+    Run("zero3_offload", config="zero3_offload.yaml",
+        technique=T("zero3_offload", "zero3_offload", "zero3_offload.yaml", strategy="zero3", offload="all")),
+    Run("fsdp", config="fsdp.yaml", technique=T("fsdp", "fsdp", "fsdp.yaml", strategy="fsdp"), quick=True,
+        presets=("tiny",)),
+    Run("fsdp", config="fsdp_offload.yaml", technique=T("fsdp_offload", "fsdp", "fsdp_offload.yaml", strategy="fsdp",
+                                                         offload="all")),
+    Run("qlora", args=("--bits", "4"), technique=T("qlora_4bit", "qlora", None, quant="nf4"), presets=("tiny",)),
+    Run("qlora", args=("--bits", "8"), technique=T("qlora_8bit", "qlora", None, quant="int8"), presets=("tiny",)),
+    Run("qat", presets=("tiny",)),
+    Run("pruning", presets=("tiny",)),
+    Run("combined", config="zero3.yaml", args=("--lora", "--gradient_checkpointing"), presets=("tiny",)),
+    Run("model_parallel", presets=("tiny",)),
+    Run("pipeline_parallel", config="pipeline.yaml", presets=("tiny",)),
+    Run("data_model_parallel", config="data_model_parallel.yaml", presets=("tiny",)),
 ]
 
 # --quick leaves out ViT-base in bf16: on an AVX2-only CPU a bf16 matmul is ~6x slower than fp32 (measured), and
@@ -168,15 +193,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--presets", nargs="+", default=None, choices=("tiny", "base"))
     ap.add_argument("--base_recipes", nargs="+", default=None,
                     help="Only these recipes on the base preset (the tests run baseline only, to stay in budget).")
+    ap.add_argument("--recipes", nargs="+", default=None, help="Only these recipes.")
     ap.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     args = ap.parse_args(argv)
     setup = QUICK if args.quick else FULL
     presets = args.presets or setup["presets"]
     out_dir = Path(args.output_dir)
     work = Path(args.work_dir) if args.work_dir else out_dir / "runs"
-    runs = [r for r in RUNS if r.quick or not args.quick]
+    runs = [r for r in RUNS if (r.quick or not args.quick) and (not args.recipes or r.recipe in args.recipes)]
     jobs = [(r, t, p) for p in presets for t in args.tasks for r in runs
-            if (r.recipe, t, p) not in setup["skip"]
+            if (r.recipe, t, p) not in setup["skip"] and p in r.presets
             and not (p == "base" and args.base_recipes and r.recipe not in args.base_recipes)]
     rows = []
     bar = tqdm(jobs, desc="matrix", dynamic_ncols=True)

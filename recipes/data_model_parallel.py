@@ -9,6 +9,7 @@ the other replicas, which train on other slices of the global batch.
 Mesh (replica, stage) -> rank = replica * stages + stage. Global batch = per_device_train_batch_size x replicas.
 Accelerate's ParallelismConfig (tensor parallel + FSDP) is the other 2-D layout on GPUs; it refuses CPU distributed
 types at validation (Accelerate 1.15), so this recipe builds the mesh itself and runs on both.
+--checkpointing_steps: every process saves its own stage (each replica's copy); resume with the same mesh.
 """
 
 import sys
@@ -25,6 +26,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils.data import DataLoader
 
 from shared.args import parse_args
+from shared.checkpoint import checkpoint_per_process, maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.launch import build_accelerator
 from shared.meter import Meter
@@ -57,10 +59,6 @@ def add_args(p):
 
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
-    for flag in ("checkpointing_steps", "resume_from_checkpoint"):
-        if getattr(args, flag):
-            raise SystemExit(f"--{flag}: this recipe does not checkpoint. Use recipes/fsdp.py for resumable "
-                             "sharded training, or drop the flag.")
     if args.per_device_train_batch_size % args.n_microbatches or args.gradient_accumulation_steps != 1:
         raise SystemExit("--per_device_train_batch_size must be a multiple of --n_microbatches, and "
                          "--gradient_accumulation_steps 1 (the micro-batches already accumulate).")
@@ -100,11 +98,13 @@ def main(argv=None) -> dict:
 
     max_steps = total_steps(args, accelerator, train_dl)
     optimizer, scheduler = optimizer_and_scheduler(args, stage, max_steps)
-    batches = endless_batches(accelerator, train_dl)
+    checkpoint_per_process(accelerator, stage, optimizer, scheduler)  # each process saves its own stage
+    start_step, consumed = resume(accelerator, args)
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     meter = Meter(accelerator, args, task, stage, optimizer)
 
     stage.train()
-    for step in meter.steps(0, max_steps):
+    for step in meter.steps(start_step, max_steps):
         batch = next(batches)
         x, mask = stage_inputs(batch)
         # The loss is over the global batch: divide by its items, counted over the replicas.
@@ -133,6 +133,7 @@ def main(argv=None) -> dict:
         dist.broadcast(loss, src=int(mesh.mesh[dp_rank, -1]), group=pp_group)
         meter.record(step, loss, batch if stage.is_last else [])  # each sample counted once
         optimizer.zero_grad(set_to_none=True)
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
 
     flat = torch.cat([p.detach().reshape(-1) for p in stage.parameters()])
     mean = flat.clone()

@@ -8,7 +8,8 @@ Each process builds and keeps only its stage's parameters. GPT-2, BERT and ViT m
     accelerate launch --config_file accelerate_configs/pipeline.yaml --num_processes 4 \
         recipes/pipeline_parallel.py --model_preset base --layers_per_stage 2,4,4,2
 Every process reads the same whole batch (the first stage needs the inputs, the last the labels). Text is padded to
---max_seq_length: stages exchange fixed-shape tensors.
+--max_seq_length: stages exchange fixed-shape tensors. --checkpointing_steps: each process saves its own stage,
+optimizer and scheduler (shared/checkpoint.py checkpoint_per_process); resume with the same processes and stages.
 """
 
 import sys
@@ -24,6 +25,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils.data import DataLoader
 
 from shared.args import parse_args
+from shared.checkpoint import checkpoint_per_process, maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.launch import build_accelerator
 from shared.meter import Meter
@@ -55,10 +57,6 @@ def add_args(p):
 
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
-    for flag in ("checkpointing_steps", "resume_from_checkpoint"):
-        if getattr(args, flag):
-            raise SystemExit(f"--{flag}: this recipe does not checkpoint (each process would save only its stage). "
-                             "Use recipes/fsdp.py for resumable sharded training, or drop the flag.")
     if args.per_device_train_batch_size % args.n_microbatches:
         raise SystemExit(f"--per_device_train_batch_size {args.per_device_train_batch_size} is not divisible by "
                          f"--n_microbatches {args.n_microbatches}: pick a batch size that is a multiple of it.")
@@ -100,11 +98,13 @@ def main(argv=None) -> dict:
 
     max_steps = total_steps(args, accelerator, train_dl)
     optimizer, scheduler = optimizer_and_scheduler(args, stage, max_steps)
-    batches = endless_batches(accelerator, train_dl)
+    checkpoint_per_process(accelerator, stage, optimizer, scheduler)  # each process saves its own stage
+    start_step, consumed = resume(accelerator, args)
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     meter = Meter(accelerator, args, task, stage, optimizer)
 
     stage.train()
-    for step in meter.steps(0, max_steps):
+    for step in meter.steps(start_step, max_steps):
         batch = next(batches)
         x, mask = stage_inputs(batch)
         item_count["n"] = task.count_items(batch)  # the loss is over the whole batch: divide by all its items
@@ -126,6 +126,7 @@ def main(argv=None) -> dict:
         # Each sample passes through every stage once: count it on the last stage only.
         meter.record(step, loss, batch if stage.is_last else [])
         optimizer.zero_grad(set_to_none=True)
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
 
     metrics = evaluate(task, schedule, stage, eval_dl, item_count, last_rank=world - 1)
     params = gather_object([sum(p.numel() for p in stage.parameters())])

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside
 from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
+from shared.deepspeed_setup import gathered_parameters
 from shared.launch import build_accelerator
 from shared.meter import Meter
 from shared.models import AUTO_CLASSES
@@ -90,9 +91,10 @@ def main(argv=None) -> dict:
     # The base checkpoint to quantize: the given one, or the preset model written out once.
     base_dir = args.model_name_or_path or str(out / "base_model")
     if not args.model_name_or_path:
-        if accelerator.is_main_process:
-            task.model.save_pretrained(base_dir)
-            task.save_preprocessing(base_dir)
+        with gathered_parameters(task.model):  # ZeRO-3 built it partitioned: write the whole weights
+            if accelerator.is_main_process:
+                task.model.save_pretrained(base_dir)
+                task.save_preprocessing(base_dir)
         accelerator.wait_for_everyone()
     config = task.model.config
     del task.model

@@ -11,6 +11,7 @@ the training loop and DeepSpeed all run on the same numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import logging
@@ -166,6 +167,11 @@ def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> d
     stage = int(zero.get("stage", 0))
     if stage not in (1, 2, 3):
         raise SystemExit(f"ZeRO stage {stage}: these recipes run stage 1, 2 or 3.")
+    if stage < 3 and (zero.get("offload_optimizer") or {}).get("device") == "nvme":
+        # DeepSpeed 0.19's stage 1/2 optimizer treats any offload device as CPU memory: nothing would reach NVMe.
+        raise SystemExit(f"offload_optimizer to nvme under ZeRO stage {stage}: stages 1 and 2 keep offloaded optimizer "
+                         "state in CPU memory whatever the device says. Use ZeRO-3 for NVMe offload "
+                         "(accelerate_configs/zero3_nvme.yaml), or offload to cpu.")
     for part in ("offload_optimizer", "offload_param"):
         block = zero.get(part)
         device = (block or {}).get("device", "none")
@@ -263,3 +269,16 @@ def deepspeed_summary(accelerator, model: torch.nn.Module) -> dict[str, object]:
         "deepspeed_bf16": model.bfloat16_enabled(),
         "deepspeed_fp16": model.fp16_enabled(),
     }
+
+
+def gathered_parameters(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """A context in which a ZeRO-3 model's parameters are whole on every process (a collective: all must enter).
+
+    Why: under ZeRO-3 transformers builds even a preset model partitioned (size-0 tensors on each process), and
+    save_pretrained would write those. Elsewhere: nothing happens.
+    """
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))

@@ -149,9 +149,14 @@ def saved_activation_bytes(model: nn.Module) -> Iterator[dict[str, int]]:
 
 
 def observe_compute_dtype(model: nn.Module) -> Callable[[], str | None]:
-    """The dtype the first Linear layer really computes in (autocast included); read it after a forward."""
+    """The dtype the first Linear layer really computes in (autocast included); read it after a forward.
+
+    Skipped: LoRA adapters, which PEFT keeps in fp32 on a bf16 / fp16 base by design (autocast_adapter_dtype), and
+    bitsandbytes layers, which cast their output back to their input's dtype whatever they computed in.
+    """
     seen: dict[str, str] = {}
-    linear = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
+    linear = next((m for n, m in model.named_modules() if isinstance(m, nn.Linear) and "lora_" not in n
+                   and type(m).__name__ not in ("Linear4bit", "Linear8bitLt")), None)
     if linear is None:
         return lambda: None
 

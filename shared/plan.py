@@ -439,11 +439,12 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
         p.notes.append(f"LoRA r={lora_r} on {len(spec.lora_targets)} modules (PEFT's defaults); activations "
                        "counted as full fine-tuning's (an upper bound)")
     elif deepspeed:
-        # DeepSpeed keeps 16-bit weights and gradients and fp32 master weights inside the optimizer (mixed
-        # precision), or fp32 weights and gradients and no master copy (fp32). Plus, as its own estimator counts,
-        # an fp32 gradient partition for the optimizer.
+        # DeepSpeed keeps 16-bit (or fp32) weights and gradients, and inside the optimizer an fp32 copy of its
+        # partition beside m and v: K=12 in fp32 too (ZeRO clones the partition even when the model is fp32;
+        # measured: optimizer state 1.50x the 8 bytes/param of AdamW alone, ZeRO-2, 2 processes). Plus, in mixed
+        # precision, as its own estimator counts, an fp32 gradient partition for the optimizer.
         w = 2 if half else 4
-        k = 12 if half else 8
+        k = 12
         p.trainable = psi
         shard_w, shard_g, shard_o = (n if stage >= 3 else 1), (n if stage >= 2 else 1), n
         p.weights = w * psi / shard_w

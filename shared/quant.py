@@ -43,10 +43,14 @@ def quantized_weight_bytes(model: nn.Module) -> dict[str, int]:
         w = module.weight
         bf16 += module.in_features * module.out_features * 2
         for t in _tensors_of(w) + _tensors_of(getattr(module, "state", None)):
-            key = (str(t.device), t.untyped_storage().data_ptr())
+            t = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 shard: this process's part
+            try:
+                key, size = (str(t.device), t.untyped_storage().data_ptr()), t.untyped_storage().nbytes()
+            except RuntimeError:  # a gathered FSDP parameter whose storage was freed again: count its shape
+                key, size = (str(t.device), id(t)), t.numel() * t.element_size()
             if key not in seen:
                 seen.add(key)
-                stored += t.untyped_storage().nbytes()
+                stored += size
     return {"quantized_layers": layers, "quantized_weight_bytes": stored, "same_weights_bf16_bytes": bf16}
 
 

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -66,6 +67,12 @@ def write_results(accelerator, args: argparse.Namespace, results: dict) -> dict:
         logger.info("results: %s", {k: results[k] for k in metrics if k in results})
         logger.info("wrote %s", out / "results.json")
     accelerator.end_training()
+    if accelerator.num_processes > 1:
+        # torch 2.13 + gloo: a worker thread may still be freeing a finished collective's tensors (which takes the
+        # GIL) when the DDP reducer drops the process group, whose destructor joins that thread holding the GIL: a
+        # deadlock at exit, seen in 1 of 8 two-process runs (pytorch/pytorch#56297). Sleeping releases the GIL so
+        # the thread finishes first.
+        time.sleep(0.2)
     return results
 
 

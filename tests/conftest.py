@@ -51,6 +51,17 @@ def run_recipe(name: str, output_dir: Path, *args: str) -> dict:
     return written
 
 
+def launch_command(name: str, output_dir: Path, *args: str, config: str | None = "multi_cpu.yaml",
+                   launch_args: tuple[str, ...] = (), env: dict | None = None) -> tuple[list[str], dict]:
+    """The `accelerate launch` command line and environment (one thread per process) of a recipe run."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    if config:
+        cmd += ["--config_file", str(CONFIGS / config)]
+    cmd += ["--main_process_port", str(free_port()), *launch_args,
+            str(ROOT / "recipes" / f"{name}.py"), *QUIET, *map(str, args), "--output_dir", str(output_dir)]
+    return cmd, {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+
+
 def launch(name: str, output_dir: Path, *args: str, config: str | None = "multi_cpu.yaml",
            launch_args: tuple[str, ...] = (), env: dict | None = None, timeout: int = 600,
            expect_fail: bool = False) -> dict | subprocess.CompletedProcess:
@@ -58,12 +69,7 @@ def launch(name: str, output_dir: Path, *args: str, config: str | None = "multi_
 
     Returns results.json, or the finished process when expect_fail (then it must have failed).
     """
-    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
-    if config:
-        cmd += ["--config_file", str(CONFIGS / config)]
-    cmd += ["--main_process_port", str(free_port()), *launch_args,
-            str(ROOT / "recipes" / f"{name}.py"), *QUIET, *map(str, args), "--output_dir", str(output_dir)]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    cmd, full_env = launch_command(name, output_dir, *args, config=config, launch_args=launch_args, env=env)
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if expect_fail:
         assert proc.returncode != 0, f"expected a failure, got success:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

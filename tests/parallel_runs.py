@@ -41,3 +41,11 @@ def fsdp(factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """2-process FSDP2 full shard, 8 per process, a sharded checkpoint halfway."""
     return _once("fsdp", factory, lambda out: launch("fsdp", out, *COMMON, "--per_device_train_batch_size", "8",
                                                      "--checkpointing_steps", str(STEPS // 2), config="fsdp.yaml"))
+
+
+def mesh(factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """4 processes = 2 data-parallel replicas x 2 pipeline stages, 8 per replica, a checkpoint halfway."""
+    args = (*COMMON, "--per_device_train_batch_size", "8", "--pipeline_stages", "2",
+            "--checkpointing_steps", str(STEPS // 2))
+    return _once("mesh", factory, lambda out: launch("data_model_parallel", out, *args,
+                                                     config="data_model_parallel.yaml"))

@@ -56,7 +56,7 @@ class Case:
     says: list[str]  # fragments of the message: the problem, then the fix
     recipe: str = "baseline"
     setup: object = None  # tmp -> extra argv
-    extra: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)  # what `accelerate launch --config_file ...` would set
 
 
 CASES = [
@@ -131,6 +131,16 @@ CASES = [
          ["--per_device_train_batch_size", "6", "--n_microbatches", "4"],
          ["not divisible by --n_microbatches", "pick a batch size that is a multiple of it"],
          recipe="pipeline_parallel"),
+    Case("quantized-without-lora", "quantized (frozen) base weights and nothing to train", ["--load_in", "4bit"],
+         ["quantized base weights are frozen", "Add --lora"], recipe="combined"),
+    Case("8bit-optimizer-under-zero-offload", "an 8-bit optimizer under ZeRO offload (DeepSpeed would swap it for "
+         "its 32-bit CPU Adam)", ["--optim", "adamw_8bit"], ["would silently not be used", "Drop --optim adamw_8bit"],
+         recipe="combined", env={"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
+                                 "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}),
+    Case("nvme-offload-under-zero2", "NVMe optimizer offload under ZeRO-2 (DeepSpeed would keep it in CPU memory)",
+         [], ["to nvme under ZeRO stage 2", "Use ZeRO-3 for NVMe offload"], recipe="zero",
+         setup=lambda t: ["--nvme_path", t / "nvme", "--deepspeed_config", _ds_json(t, zero_optimization={
+             "stage": 2, "offload_optimizer": {"device": "nvme"}})]),
     Case("impossible-sparsity", "a pruning target of 150%", ["--target_sparsity", "1.5"],
          ["--target_sparsity must be in [0, 1)"], recipe="pruning"),
     Case("pruning-past-the-end", "a pruning schedule that ends after training does", ["--pruning_end_step", "9"],
@@ -165,6 +175,8 @@ def test_bad_input_fails_fast_with_the_fix(case, tmp_path, capsys, monkeypatch):
     from tests.conftest import run_recipe
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for key, value in case.env.items():
+        monkeypatch.setenv(key, value)
     argv = [*case.argv, *(case.setup(tmp_path) if case.setup else [])]
     with pytest.raises(SystemExit) as exc:
         run_recipe(case.recipe, tmp_path / "out", *argv, "--max_train_steps", 2)

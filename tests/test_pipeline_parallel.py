@@ -3,15 +3,18 @@
 
 import copy
 import json
+import signal
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from shared.checkpoint import checkpoint_per_process
 from shared.models import preset_config, transformer_layers
 from shared.pipeline_stages import Stage, split_layers, summed_loss
 from tests.conftest import launch, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON, single
+from tests.test_reliability import _kill_tree, _start, _wait_for_checkpoint
 
 GRAD_TOL = 1e-6  # fp32, same batch, stages chained in one process; measured 0.0
 # fp32 AdamW at lr 3e-3, 6 steps, vs 1 process: micro-batch sums and fixed-length padding change last bits, which
@@ -138,3 +141,88 @@ def test_bert_gpipe_pipeline_trains(tmp_path):
     assert (r["num_processes"], r["schedule"], r["stage_layers"]) == (2, "gpipe", [[0, 1], [1, 2]])
     assert r["train_loss"] < r["initial_loss"], r
     assert 0.0 <= r["eval_accuracy"] <= 1.0 and len(r["peak_memory_bytes"]) == 2
+
+
+class _Process:
+    """What checkpoint_per_process uses of an Accelerator: this process's place, and the save/load hook lists."""
+
+    def __init__(self, index: int, count: int):
+        self.process_index, self.num_processes, self.device = index, count, torch.device("cpu")
+        self.hooks = {}
+
+    def register_save_state_pre_hook(self, hook):
+        self.hooks["save"] = hook
+
+    def register_load_state_pre_hook(self, hook):
+        self.hooks["load"] = hook
+
+
+def _stage_state(model, i: int, layout: str = "1,2"):
+    stage = Stage(copy.deepcopy(model), split_layers(3, 2, layout)[i], is_first=i == 0, is_last=i == 1)
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    return stage, optimizer, scheduler
+
+
+def test_each_process_saves_and_resumes_its_own_stage(tmp_path):
+    """The hooks save_state/load_state run on every process: rank_0000k/ holds stage k, its optimizer, schedule."""
+    model = _model_and_batch("causal-lm")[0]
+    saved = []
+    for i in range(2):
+        stage, optimizer, scheduler = _stage_state(model, i)
+        for p in stage.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        scheduler.step()
+        process = _Process(i, 2)
+        checkpoint_per_process(process, stage, optimizer, scheduler)
+        process.hooks["save"]([], [], str(tmp_path))
+        saved.append((stage, optimizer))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank_00000", "rank_00001"]
+
+    for i, (stage, optimizer) in enumerate(saved):  # fresh stages, as a resumed run builds them
+        fresh, fresh_opt, fresh_sched = _stage_state(model, i)
+        process = _Process(i, 2)
+        checkpoint_per_process(process, fresh, fresh_opt, fresh_sched)
+        process.hooks["load"]([], str(tmp_path))
+        for (name, a), b in zip(stage.named_parameters(), fresh.parameters(), strict=True):
+            assert torch.equal(a, b), name
+            assert torch.equal(optimizer.state[a]["exp_avg_sq"], fresh_opt.state[b]["exp_avg_sq"]), name
+        assert fresh_sched.last_epoch == 1 and fresh_opt.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+
+    # another number of processes, or another cut of the model: refused with the fix
+    process = _Process(2, 3)
+    checkpoint_per_process(process, *_stage_state(model, 1))
+    with pytest.raises(SystemExit, match="holds the state of 2 processes.*this run has 3.*--num_processes 2"):
+        process.hooks["load"]([], str(tmp_path))
+    process = _Process(0, 2)
+    checkpoint_per_process(process, *_stage_state(model, 0, layout="2,1"))
+    with pytest.raises(SystemExit, match="holds another stage.*Missing key.*same --pipeline_stages/--layers_per_stage"):
+        process.hooks["load"]([], str(tmp_path))
+
+
+@pytest.mark.slow
+def test_pipeline_killed_resumes_to_the_same_parameters(tmp_path):
+    """kill -9 of both stages after a checkpoint; `latest` restores each stage's own state: no work lost."""
+    # 12 batches an epoch: the resumed run crosses into the second epoch
+    args = ["--task", "causal-lm", "--disable_dropout", "--max_train_steps", 24, "--checkpointing_steps", 4,
+            "--max_train_samples", 48, "--per_device_train_batch_size", 4, "--max_eval_samples", 16]
+    launch("pipeline_parallel", tmp_path / "full", *args, config="pipeline.yaml")
+    for step in (tmp_path / "full" / "checkpoints").iterdir():
+        assert (step / "rank_00000").is_dir() and (step / "rank_00001").is_dir(), step
+    proc = _start(tmp_path / "cut", *args, config="pipeline.yaml", recipe="pipeline_parallel")
+    _wait_for_checkpoint(proc, tmp_path / "cut")
+    _kill_tree(proc, signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0, "the run finished before the kill: nothing was tested"
+    r = launch("pipeline_parallel", tmp_path / "cut", *args, "--resume_from_checkpoint", "latest",
+               config="pipeline.yaml")
+    assert r["num_processes"] == 2 and 4 <= r["resumed_from_step"] < 24, r["resumed_from_step"]
+    full, cut = ({k: v for part in _stage_params(tmp_path / d) for k, v in part.items()} for d in ("full", "cut"))
+    diff = max_param_diff(full, cut)
+    print(f"pipeline killed, resumed at step {r['resumed_from_step']}: max abs param diff vs uninterrupted {diff:.1e}")
+    assert diff <= 1e-6
+    # GPT-2's tied head: the last stage's copy, restored from its own state, still equals the first stage's
+    last = tmp_path / "cut" / "checkpoints" / "step_00000024"
+    first_copy = load_file(last / "rank_00000" / "model.safetensors")["model.transformer.wte.weight"]
+    assert torch.equal(first_copy, load_file(last / "rank_00001" / "model.safetensors")["model.lm_head.weight"])

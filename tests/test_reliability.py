@@ -1,28 +1,22 @@
 """No lost work, no silent errors: preemption, kill -9, corrupt checkpoints, divergence, dead peers, leaks."""
 
 import contextlib
-import json
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.conftest import CONFIGS, QUIET, ROOT, free_port, launch, load_params, max_param_diff, run_recipe
+from tests.conftest import ROOT, launch, launch_command, load_params, max_param_diff, run_recipe
 
 RUN = ["--max_train_steps", 60, "--max_train_samples", 160, "--checkpointing_steps", 10]
 
 
 def _start(output_dir, *args, config=None, env=None, recipe="baseline"):
-    """A recipe run under `accelerate launch`, in its own session."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
-    cmd += ["--config_file", str(CONFIGS / config)] if config else ["--num_processes", "1"]
-    cmd += ["--main_process_port", str(free_port()), str(ROOT / "recipes" / f"{recipe}.py"), *QUIET, *map(str, args),
-            "--output_dir", str(output_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+    """A recipe run under `accelerate launch` (one process unless a config says more), in its own session."""
+    launch_args = () if config else ("--num_processes", "1")
+    cmd, full_env = launch_command(recipe, output_dir, *args, config=config, launch_args=launch_args, env=env)
+    return subprocess.Popen(cmd, cwd=ROOT, env=full_env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -71,13 +65,7 @@ def test_ddp_kill9_resumes_to_the_same_parameters(tmp_path):
     _wait_for_checkpoint(proc, tmp_path / "cut")
     _kill_tree(proc, signal.SIGKILL)
     proc.communicate(timeout=120)
-    resumed = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "multi_cpu.yaml"),
-         "--main_process_port", str(free_port()), str(ROOT / "recipes" / "baseline.py"), *map(str, args), *QUIET,
-         "--output_dir", str(tmp_path / "cut"), "--resume_from_checkpoint", "latest"],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    r = json.loads((tmp_path / "cut" / "results.json").read_text())
+    r = launch("baseline", tmp_path / "cut", *args, "--resume_from_checkpoint", "latest", config="multi_cpu.yaml")
     assert (r["num_processes"], r["distributed_type"]) == (2, "MULTI_CPU") and 10 <= r["resumed_from_step"] < 60
     assert r["param_fingerprint"][0] == r["param_fingerprint"][1]
     run_recipe("baseline", tmp_path / "one", *RUN, "--disable_dropout", "--per_device_train_batch_size", 16)

@@ -1,0 +1,152 @@
+"""Techniques combined: sharding, offload and precision come from the launch config; activation checkpointing,
+an 8-bit optimizer, LoRA and int8 / 4-bit (NF4) base weights from flags. Which combinations train, and which are
+refused before training (with why), is measured by benchmarks/compat.py: docs/results/compat.md.
+
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/combined.py --task causal-lm \
+        --lora --gradient_checkpointing --mixed_precision bf16
+    accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/combined.py --load_in 4bit --lora
+    accelerate launch --config_file accelerate_configs/zero2_offload.yaml recipes/combined.py --gradient_checkpointing
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/combined.py --lora --mixed_precision bf16
+Each technique on its own, explained: recipes/activation_checkpointing.py, optim_8bit.py, qlora.py, zero.py, fsdp.py.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from accelerate.utils import DeepSpeedPlugin
+from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+from transformers import BitsAndBytesConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+from shared.args import parse_args
+from shared.checkpoint import maybe_save_checkpoint, resume
+from shared.compat import check_combination, offload_of, sharding_of
+from shared.data import endless_batches
+from shared.deepspeed_setup import (
+    add_deepspeed_args,
+    deepspeed_summary,
+    gathered_parameters,
+    resolve_deepspeed_config,
+)
+from shared.launch import build_accelerator
+from shared.meter import Meter
+from shared.models import AUTO_CLASSES
+from shared.optim import optimizer_and_scheduler, total_steps
+from shared.quant import HEAD_NAMES, head_names, quantized_weight_bytes
+from shared.results import finish
+from shared.tasks import load_task
+
+RECIPE = "combined"
+DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_args(p):
+    p.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations in backward.")
+    p.add_argument("--optim", default="adamw", choices=("adamw", "adamw_8bit"),
+                   help="adamw_8bit: bitsandbytes' AdamW8bit (moments in 8 bits).")
+    p.add_argument("--lora", action="store_true", help="Train LoRA adapters (PEFT) on a frozen base model.")
+    p.add_argument("--lora_r", type=int, default=8)
+    p.add_argument("--lora_alpha", type=int, default=16)
+    p.add_argument("--load_in", default="full", choices=("full", "8bit", "4bit"),
+                   help="Base weights: full precision, or quantized by bitsandbytes (needs --lora).")
+    p.add_argument("--bnb_4bit_quant_storage", default="uint8", choices=("uint8", "bfloat16", "float16", "float32"),
+                   help="Dtype the packed 4-bit weights are stored in; ZeRO-3 / FSDP need the model's dtype.")
+    add_deepspeed_args(p)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, add_args, description=__doc__)
+    plugins = {}
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # the launch config chose DeepSpeed: settings resolved
+        ds_config = resolve_deepspeed_config(args, {          # and checked as in recipes/zero.py
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "zero_optimization": {"stage": int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2)),
+                                  "stage3_gather_16bit_weights_on_model_save": True,
+                                  "stage3_param_persistence_threshold": "auto",
+                                  "stage3_prefetch_bucket_size": "auto", "reduce_bucket_size": "auto"}})
+        stage3 = ds_config["zero_optimization"]["stage"] == 3
+        # zero.Init builds a full-precision model already partitioned; a quantized one is loaded whole, then split.
+        plugins["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds_config,
+                                                      zero3_init_flag=stage3 and args.load_in == "full")
+    accelerator = build_accelerator(args, RECIPE, **plugins)
+    # Combinations known not to train stop here, each with its reason and a way out (shared/compat.py).
+    check_combination(args, accelerator)
+    sharded = sharding_of(accelerator) in ("zero3", "fsdp")
+    task = load_task(args, accelerator)
+
+    if args.load_in != "full":
+        # Quantized base weights (bitsandbytes), loaded from a checkpoint: the given one, or the preset written out.
+        base_dir = args.model_name_or_path or str(Path(args.output_dir) / "base_model")
+        if not args.model_name_or_path:
+            with gathered_parameters(task.model):  # ZeRO-3 built it partitioned: gather the whole weights to write them
+                if accelerator.is_main_process:
+                    task.model.save_pretrained(base_dir)
+            accelerator.wait_for_everyone()
+        storage = getattr(torch, args.bnb_4bit_quant_storage)
+        bnb_config = BitsAndBytesConfig(
+            load_in_4bit=args.load_in == "4bit", load_in_8bit=args.load_in == "8bit",
+            bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=DTYPES[accelerator.mixed_precision], bnb_4bit_quant_storage=storage,
+            llm_int8_skip_modules=list(HEAD_NAMES))  # task heads stay in full precision
+        task.model = AUTO_CLASSES[args.task].from_pretrained(
+            base_dir, config=task.model.config, quantization_config=bnb_config,
+            # ZeRO-3 / FSDP place the shards themselves; otherwise each process holds its copy on its device.
+            device_map=None if sharded else {"": accelerator.device}, dtype=storage if sharded else None,
+            trust_remote_code=args.trust_remote_code)
+        task.model = prepare_model_for_kbit_training(
+            task.model, use_gradient_checkpointing=args.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif args.gradient_checkpointing:
+        task.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.lora:
+        task.model = get_peft_model(task.model, LoraConfig(
+            r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear",
+            modules_to_save=[h for h in head_names(task.model) if h != "lm_head"] or None))  # new heads train fully
+
+    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    optim_cls = torch.optim.AdamW
+    if args.optim == "adamw_8bit":
+        import bitsandbytes as bnb
+
+        optim_cls = bnb.optim.AdamW8bit
+    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps, optimizer_cls=optim_cls)
+
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
+    )
+    start_step, consumed = resume(accelerator, args)
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    meter = Meter(accelerator, args, task, model, optimizer)
+    if "deepspeed_plugin" in plugins:
+        meter.extras.update(deepspeed_summary(accelerator, model))
+
+    model.train()
+    for step in meter.steps(start_step, max_steps):
+        batch = next(batches)
+        # Normalize by the items of the global batch: every strategy here averages gradients over processes.
+        num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
+        loss = task.loss(model, batch, num_items)
+        accelerator.backward(loss)  # under DeepSpeed also clips (gradient_clipping) and steps the optimizer
+        if args.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
+        optimizer.zero_grad(set_to_none=True)
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+
+    meter.extras.setdefault("optimizer_class", type(optimizer.optimizer).__name__)  # DeepSpeed's: set above
+    extras = {"sharding": sharding_of(accelerator), "offload": offload_of(accelerator), "lora": args.lora,
+              "gradient_checkpointing": args.gradient_checkpointing, "load_in": args.load_in,
+              **quantized_weight_bytes(model),  # ZeRO-3 numels live in ds_numel: its parameters are partitioned
+              "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad),
+              "total_params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())}
+    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=extras)
+
+
+if __name__ == "__main__":
+    main()
