@@ -54,11 +54,15 @@ def test_quick_sweep_gives_the_committed_outcomes(tmp_path):
     assert (tmp_path / "compat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_combined_recipe_trains_and_saves_a_lora_adapter_with_checkpointing(tmp_path):
+def test_combined_recipe_trains_and_saves_a_lora_adapter_with_checkpointing(tmp_path, monkeypatch):
     """The recipe on its own, one process, as `accelerate launch recipes/combined.py --lora --gradient_checkpointing`
     runs it: only the adapters train, the loss falls, the adapter is saved as safetensors."""
+    import torch
+
     from tests.conftest import run_recipe
 
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # see test_memory_does_not_grow_over_thousands_of_steps
+    torch.set_num_threads(1)
     r = run_recipe("combined", tmp_path, "--task", "causal-lm", "--lora", "--gradient_checkpointing",
                    "--max_train_steps", 30, "--learning_rate", 3e-3, "--max_train_samples", 256)
     assert (r["sharding"], r["offload"], r["lora"], r["gradient_checkpointing"]) == ("none", "none", True, True)
