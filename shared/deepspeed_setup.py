@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from shared.launch import has_accelerator
-from shared.meter import state_bytes
+from .launch import has_accelerator
+from .meter import state_bytes
 
 logger = logging.getLogger("recipes")
 

@@ -12,9 +12,9 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
 
-from shared.checkpoint import install_preemption_handler
-from shared.fsdp_cpu import force_fsdp_on_cpu
-from shared.preflight import check_environment
+from .checkpoint import install_preemption_handler
+from .fsdp_cpu import force_fsdp_on_cpu
+from .preflight import check_environment
 
 logger = logging.getLogger("recipes")
 

@@ -202,7 +202,7 @@ class Meter:
         With --preflight, the resolved configuration is reported here, after prepare(), and the run stops.
         """
         if self.args.preflight:
-            from shared.preflight import report
+            from .preflight import report
 
             report(self.accelerator, self.args, self.task, self.model, self.optimizer)
         bar = tqdm(range(start, stop), initial=start, total=stop, desc="train",

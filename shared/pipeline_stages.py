@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.models import transformer_layers
+from .models import transformer_layers
 
 # model_type -> (modules the first stage runs before the blocks, modules the last stage runs after them)
 FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {

@@ -93,7 +93,7 @@ def builtin_vocab_size(task: str, preset: str) -> int:
     raised to BERT's 30522 for the base preset."""
     if task == "image-classification":
         return 30522
-    from shared import data
+    from . import data
 
     n = len(data.build_word_tokenizer(data.builtin_split(task, "train")["text"], task))
     return n if preset == "tiny" else max(n, 30522)
@@ -104,7 +104,7 @@ def load_config(name: str | None, preset: str, task: str | None, vocab_size: int
     """(config, task, source) from a preset, a local directory or a hub id; the offline fallback is KNOWN_CONFIGS."""
     from transformers import AutoConfig, BertConfig, GPT2Config, ViTConfig
 
-    from shared.models import preset_config
+    from .models import preset_config
 
     if name is None:
         task = task or "text-classification"
@@ -149,7 +149,7 @@ def model_spec(config, task: str, name: str, disable_dropout: bool = False) -> M
     from torch import nn
     from transformers.pytorch_utils import Conv1D
 
-    from shared.models import AUTO_CLASSES, transformer_layers
+    from .models import AUTO_CLASSES, transformer_layers
 
     with torch.device("meta"):
         model = AUTO_CLASSES[task].from_config(config)

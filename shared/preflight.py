@@ -34,7 +34,7 @@ def check_environment(args, uses_deepspeed: bool) -> None:
 
 def _technique(recipe: str, accelerator):
     """The planner's model of this run, if it has one."""
-    from shared.plan import TECHNIQUES
+    from .plan import TECHNIQUES
 
     # Accumulating or data-parallel runs hold what the baseline holds for one micro-batch.
     recipe = {"gradient_accumulation": "baseline", "data_parallel": "baseline"}.get(recipe, recipe)
@@ -51,7 +51,7 @@ def _technique(recipe: str, accelerator):
 
 
 def _memory_estimate(recipe: str, accelerator, args, model) -> dict:
-    from shared.plan import CPU_RUNTIME_BYTES, model_spec, predict
+    from .plan import CPU_RUNTIME_BYTES, model_spec, predict
 
     tech = _technique(recipe, accelerator)
     if tech is None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from shared import data, models
+from . import data, models
 
 
 @dataclass
