@@ -10,12 +10,15 @@ One process, DDP on several GPUs, or DDP over gloo on a CPU-only machine: the la
 import sys
 from pathlib import Path
 
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
-from shared.launch import build_accelerator
+from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.results import finish
@@ -24,9 +27,27 @@ from shared.tasks import load_task
 RECIPE = "baseline"
 
 
+def add_args(p):
+    """This recipe's own flags (none: it is the reference)."""
+
+
 def main(argv=None) -> dict:
-    args = parse_args(argv, description=__doc__)
-    accelerator = build_accelerator(args, RECIPE)
+    args = parse_args(argv, add_args, description=__doc__)
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    launch = resolve_launch(args, RECIPE)
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(args, accelerator)
     max_steps = total_steps(args, accelerator, task.train_dataloader)
     optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
@@ -41,7 +62,10 @@ def main(argv=None) -> dict:
     model.train()
     for step in meter.steps(start_step, max_steps):
         batch = next(batches)
-        loss = task.loss(model, batch)
+        # Normalize by the items (target tokens or samples) of the global batch: gradients are averaged over
+        # processes, and each process's own mean would weigh a token differently from one big batch.
+        num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
+        loss = task.loss(model, batch, num_items)
         accelerator.backward(loss)
         if args.max_grad_norm:
             accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate.utils import DeepSpeedPlugin
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import DeepSpeedPlugin, GradientAccumulationPlugin
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import BitsAndBytesConfig
 
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside
 
 from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
-from shared.compat import check_combination, offload_of, sharding_of
+from shared.compat import offload_of, sharding_of
 from shared.data import endless_batches
 from shared.deepspeed_setup import (
     add_deepspeed_args,
@@ -31,7 +32,7 @@ from shared.deepspeed_setup import (
     gathered_parameters,
     resolve_deepspeed_config,
 )
-from shared.launch import build_accelerator
+from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.models import AUTO_CLASSES
 from shared.optim import optimizer_and_scheduler, total_steps
@@ -59,7 +60,7 @@ def add_args(p):
 
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
-    plugins = {}
+    ds_config = plugin = None
     if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # the launch config chose DeepSpeed: settings resolved
         ds_config = resolve_deepspeed_config(args, {          # and checked as in recipes/zero.py
             "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -70,12 +71,28 @@ def main(argv=None) -> dict:
                                   "stage3_prefetch_bucket_size": "auto", "reduce_bucket_size": "auto"}})
         stage3 = ds_config["zero_optimization"]["stage"] == 3
         # zero.Init builds a full-precision model already partitioned; a quantized one is loaded whole, then split.
-        plugins["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds_config,
-                                                      zero3_init_flag=stage3 and args.load_in == "full")
-    accelerator = build_accelerator(args, RECIPE, **plugins)
-    # Combinations known not to train stop here, each with its reason and a way out (shared/compat.py).
-    check_combination(args, accelerator)
-    sharded = sharding_of(accelerator) in ("zero3", "fsdp")
+        plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=stage3 and args.load_in == "full")
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    launch = resolve_launch(
+        args, RECIPE, deepspeed_config=ds_config, base_weights={"full": "full", "8bit": "int8", "4bit": "nf4"}[
+            args.load_in], quant_storage=args.bnb_4bit_quant_storage, lora=args.lora, optimizer=args.optim,
+        flags={"base_weights": f"--load_in {args.load_in}", "quant_storage": "--bnb_4bit_quant_storage",
+               "lora": "--lora", "optimizer": f"--optim {args.optim}"})
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+        deepspeed_plugin=plugin,  # None: the launch config's sharding (DDP, FSDP) or none
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    sharded = launch.run.sharded_params  # ZeRO-3 or FSDP: they place the (quantized) shards themselves
     task = load_task(args, accelerator)
 
     if args.load_in != "full":
@@ -121,13 +138,14 @@ def main(argv=None) -> dict:
     start_step, consumed = resume(accelerator, args)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     meter = Meter(accelerator, args, task, model, optimizer)
-    if "deepspeed_plugin" in plugins:
+    if plugin is not None:
         meter.extras.update(deepspeed_summary(accelerator, model))
 
     model.train()
     for step in meter.steps(start_step, max_steps):
         batch = next(batches)
-        # Normalize by the items of the global batch: every strategy here averages gradients over processes.
+        # Normalize by the items (target tokens or samples) of the global batch: gradients are averaged over
+        # processes, and each process's own mean would weigh a token differently from one big batch.
         num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
         loss = task.loss(model, batch, num_items)
         accelerator.backward(loss)  # under DeepSpeed also clips (gradient_clipping) and steps the optimizer

@@ -15,6 +15,9 @@ types at validation (Accelerate 1.15), so this recipe builds the mesh itself and
 import sys
 from pathlib import Path
 
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 import torch
@@ -28,7 +31,7 @@ from torch.utils.data import DataLoader
 from shared.args import parse_args
 from shared.checkpoint import checkpoint_per_process, maybe_save_checkpoint, resume
 from shared.data import endless_batches
-from shared.launch import build_accelerator
+from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.models import transformer_layers
 from shared.optim import optimizer_and_scheduler, total_steps
@@ -62,7 +65,21 @@ def main(argv=None) -> dict:
     if args.per_device_train_batch_size % args.n_microbatches or args.gradient_accumulation_steps != 1:
         raise SystemExit("--per_device_train_batch_size must be a multiple of --n_microbatches, and "
                          "--gradient_accumulation_steps 1 (the micro-batches already accumulate).")
-    accelerator = build_accelerator(args, RECIPE)
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    launch = resolve_launch(args, RECIPE)
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     world, device = accelerator.num_processes, accelerator.device
     stages = args.pipeline_stages
     if stages < 2 or world % stages or world == stages:

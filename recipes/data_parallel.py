@@ -14,6 +14,9 @@ import json
 import sys
 from pathlib import Path
 
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from accelerate.utils import DistributedDataParallelKwargs, gather_object
@@ -21,7 +24,7 @@ from accelerate.utils import DistributedDataParallelKwargs, gather_object
 from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
-from shared.launch import build_accelerator
+from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.results import finish
@@ -49,7 +52,21 @@ def main(argv=None) -> dict:
             raise SystemExit(f"--compare_to {args.compare_to!r} is a {reference.get('num_processes')}-process "
                              f"{reference.get('recipe')} run; pass the results.json of a 1-process {RECIPE} run.")
     ddp = DistributedDataParallelKwargs(bucket_cap_mb=args.bucket_cap_mb)  # how DDP averages the gradients
-    accelerator = build_accelerator(args, RECIPE, kwargs_handlers=[ddp])
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    launch = resolve_launch(args, RECIPE)
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        kwargs_handlers=[*launch.kwargs_handlers, ddp],  # a timeout for collectives; gloo on a CPU-only machine
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(args, accelerator)
     max_steps = total_steps(args, accelerator, task.train_dataloader)
     optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
@@ -65,8 +82,8 @@ def main(argv=None) -> dict:
     model.train()
     for step in meter.steps(start_step, max_steps):
         batch = next(batches)
-        # Normalize by the items (target tokens) of the whole global batch: the gradients are averaged over
-        # processes, and each process's own mean would weigh its tokens differently from one big batch.
+        # Normalize by the items (target tokens or samples) of the global batch: gradients are averaged over
+        # processes, and each process's own mean would weigh a token differently from one big batch.
         num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
         loss = task.loss(model, batch, num_items)
         accelerator.backward(loss)  # DDP all-reduces (averages) the gradients during backward

@@ -13,16 +13,18 @@ On a CPU-only machine the same configs run over gloo (shared/fsdp_cpu.py makes A
 import sys
 from pathlib import Path
 
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from accelerate import FullyShardedDataParallelPlugin
-from accelerate.utils import DistributedType
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
-from shared.launch import build_accelerator
+from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.models import transformer_layers
 from shared.optim import optimizer_and_scheduler, total_steps
@@ -47,11 +49,22 @@ def main(argv=None) -> dict:
         state_dict_type="SHARDED_STATE_DICT",       # checkpoints: each process writes and reads only its shard
         cpu_offload=args.cpu_offload,               # None: fsdp_offload_params from the accelerate config
     )
-    accelerator = build_accelerator(args, RECIPE, fsdp_plugin=fsdp_plugin)
-    if accelerator.distributed_type != DistributedType.FSDP or accelerator.num_processes < 2:
-        raise SystemExit(f"FSDP shards over processes, but this run has {accelerator.num_processes} process(es) of "
-                         f"type {accelerator.distributed_type.value}. Launch it with "
-                         "`accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/fsdp.py`.")
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    launch = resolve_launch(args, RECIPE, fsdp_plugin=fsdp_plugin)
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+        fsdp_plugin=fsdp_plugin,
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(args, accelerator)
     # Wrap the model's own block class, found on the model (hub models without _no_split_modules work too).
     fsdp_plugin.transformer_cls_names_to_wrap = [type(transformer_layers(task.model)[0]).__name__]
@@ -69,8 +82,8 @@ def main(argv=None) -> dict:
     model.train()
     for step in meter.steps(start_step, max_steps):
         batch = next(batches)
-        # Normalize by the items (target tokens) of the whole global batch: the gradients are averaged over
-        # processes, and each process's own mean would weigh its tokens differently from one big batch.
+        # Normalize by the items (target tokens or samples) of the global batch: gradients are averaged over
+        # processes, and each process's own mean would weigh a token differently from one big batch.
         num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
         loss = task.loss(model, batch, num_items)
         accelerator.backward(loss)  # gradients are reduce-scattered: each process keeps its shard's

@@ -12,12 +12,15 @@ large batch. The scheduler steps once per optimizer step.
 import sys
 from pathlib import Path
 
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
-from shared.launch import build_accelerator
+from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.results import finish
@@ -26,9 +29,27 @@ from shared.tasks import load_task
 RECIPE = "gradient_accumulation"
 
 
+def add_args(p):
+    """This recipe's own flags (none: --gradient_accumulation_steps is common to all, 4 by default here)."""
+
+
 def main(argv=None) -> dict:
-    args = parse_args(argv, description=__doc__, gradient_accumulation_steps=4)
-    accelerator = build_accelerator(args, RECIPE, accumulates=True)
+    args = parse_args(argv, add_args, description=__doc__, gradient_accumulation_steps=4)
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    launch = resolve_launch(args, RECIPE)
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(args, accelerator)
     max_steps = total_steps(args, accelerator, task.train_dataloader)
     optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)

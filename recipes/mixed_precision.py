@@ -13,6 +13,9 @@ autocast and GradScaler, see shared/launch.py), never silently fp32.
 import sys
 from pathlib import Path
 
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from accelerate.utils import GradScalerKwargs
@@ -20,7 +23,7 @@ from accelerate.utils import GradScalerKwargs
 from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
-from shared.launch import build_accelerator
+from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.results import finish
@@ -29,17 +32,31 @@ from shared.tasks import load_task
 RECIPE = "mixed_precision"
 
 
-def recipe_args(p):
+def add_args(p):
     p.add_argument("--init_loss_scale", type=float, default=2.0**16, help="fp16: the first loss scale.")
     p.add_argument("--loss_scale_growth_interval", type=int, default=2000,
                    help="fp16: clean steps before the scale doubles.")
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv, recipe_args, description=__doc__)
+    args = parse_args(argv, add_args, description=__doc__)
     # fp16 unless the flag or the accelerate config says otherwise; the scaler settings apply to fp16 only.
     scaler = GradScalerKwargs(init_scale=args.init_loss_scale, growth_interval=args.loss_scale_growth_interval)
-    accelerator = build_accelerator(args, RECIPE, default_mixed_precision="fp16", kwargs_handlers=[scaler])
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    launch = resolve_launch(args, RECIPE, default_mixed_precision="fp16")
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        kwargs_handlers=[*launch.kwargs_handlers, scaler],  # a timeout for collectives; gloo on a CPU-only machine
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(args, accelerator)
     max_steps = total_steps(args, accelerator, task.train_dataloader)
     optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
@@ -55,7 +72,10 @@ def main(argv=None) -> dict:
     model.train()
     for step in meter.steps(start_step, max_steps):
         batch = next(batches)
-        loss = task.loss(model, batch)
+        # Normalize by the items (target tokens or samples) of the global batch: gradients are averaged over
+        # processes, and each process's own mean would weigh a token differently from one big batch.
+        num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
+        loss = task.loss(model, batch, num_items)
         accelerator.backward(loss)
         if args.max_grad_norm:
             accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -14,6 +14,9 @@ import logging
 import sys
 from pathlib import Path
 
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 import torch
@@ -22,7 +25,7 @@ from accelerate.utils import send_to_device
 from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
-from shared.launch import build_accelerator
+from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.models import transformer_layers
 from shared.optim import optimizer_and_scheduler, total_steps
@@ -75,10 +78,21 @@ def place_stages(model: torch.nn.Module, layer_ranges: list[range], devices: lis
 
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
-    accelerator = build_accelerator(args, RECIPE)
-    if accelerator.num_processes > 1:
-        raise SystemExit("Model parallel runs in one process that drives all the devices. Launch one process, or "
-                         "use recipes/data_model_parallel.py to combine stages with data parallel replicas.")
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    launch = resolve_launch(args, RECIPE)
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     devices = stage_devices(args.num_stages)
     task = load_task(args, accelerator)
     blocks = transformer_layers(task.model)

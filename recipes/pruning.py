@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin
 from torch.nn.utils import prune
 from transformers.pytorch_utils import Conv1D
 
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside
 from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
-from shared.launch import build_accelerator
+from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.models import transformer_layers
 from shared.optim import optimizer_and_scheduler, total_steps
@@ -36,7 +38,7 @@ RECIPE = "pruning"
 QKV = ("query", "key", "value", "q_proj", "k_proj", "v_proj", "c_attn")
 
 
-def recipe_args(p):
+def add_args(p):
     p.add_argument("--target_sparsity", type=float, default=0.5, help="Fraction of the pruned weights set to 0.")
     p.add_argument("--pruning_scope", default="global", choices=("global", "layer"))
     p.add_argument("--pruning_structure", default="unstructured", choices=("unstructured", "rows", "heads"))
@@ -122,10 +124,24 @@ def cubic_sparsity(step: int, args) -> float:
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv, recipe_args, description=__doc__)
+    args = parse_args(argv, add_args, description=__doc__)
     if not 0 <= args.target_sparsity < 1:
         raise SystemExit(f"--target_sparsity must be in [0, 1), got {args.target_sparsity}.")
-    accelerator = build_accelerator(args, RECIPE)
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    launch = resolve_launch(args, RECIPE)
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(args, accelerator)
     max_steps = total_steps(args, accelerator, task.train_dataloader)
     args.pruning_end_step = args.pruning_end_step or max(args.pruning_start_step + 1, int(0.7 * max_steps))
@@ -149,7 +165,10 @@ def main(argv=None) -> dict:
         if step <= args.pruning_end_step and (step - args.pruning_start_step) % args.pruning_frequency == 0:
             apply_sparsity(accelerator.unwrap_model(model), targets, cubic_sparsity(step, args), args)
         batch = next(batches)
-        loss = task.loss(model, batch)
+        # Normalize by the items (target tokens or samples) of the global batch: gradients are averaged over
+        # processes, and each process's own mean would weigh a token differently from one big batch.
+        num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
+        loss = task.loss(model, batch, num_items)
         accelerator.backward(loss)
         if args.max_grad_norm:
             accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -12,13 +12,15 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin
 from torch import nn
 from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.args import parse_args
-from shared.launch import build_accelerator
+from shared.launch import resolve_launch, start_run
 from shared.models import transformer_layers
 from shared.quant import conv1d_to_linear, dir_bytes
 from shared.tasks import load_task
@@ -26,14 +28,30 @@ from shared.tasks import load_task
 RECIPE = "ptq"
 
 
+def add_args(p):
+    """This recipe's own flags (none: it quantizes the model it is given)."""
+
+
 def main(argv=None) -> dict:
-    args = parse_args(argv, description=__doc__)
+    args = parse_args(argv, add_args, description=__doc__)
     if not args.model_name_or_path:
         raise SystemExit("PTQ quantizes a trained model: pass --model_name_or_path (e.g. the output_dir of "
                          "recipes/baseline.py).")
-    accelerator = build_accelerator(args, RECIPE)
-    if accelerator.num_processes > 1:
-        raise SystemExit("PTQ runs in one process: launch it with `python recipes/ptq.py`, not several processes.")
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    launch = resolve_launch(args, RECIPE)
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(args, accelerator)
     model = task.model.to(accelerator.device).eval()
     before = task.evaluate(model, task.eval_dataloader, accelerator)

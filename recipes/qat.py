@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin
 from torch import nn
 from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
 from torchao.quantization.granularity import PerGroup
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside
 from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
-from shared.launch import build_accelerator
+from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.models import transformer_layers
 from shared.optim import optimizer_and_scheduler, total_steps
@@ -37,7 +39,7 @@ from shared.tasks import load_task
 RECIPE = "qat"
 
 
-def recipe_args(p):
+def add_args(p):
     p.add_argument("--weight_bits", type=int, default=4, choices=(4, 8))
     p.add_argument("--group_size", type=int, default=32, help="Weights per quantization scale.")
 
@@ -47,8 +49,22 @@ def prefixed(metrics: dict, prefix: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv, recipe_args, description=__doc__, learning_rate=1e-4)
-    accelerator = build_accelerator(args, RECIPE)
+    args = parse_args(argv, add_args, description=__doc__, learning_rate=1e-4)
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    launch = resolve_launch(args, RECIPE)
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(args, accelerator)
     model = conv1d_to_linear(task.model)  # GPT-2's Conv1D layers become nn.Linear, which torchao quantizes
     blocks = next(name for name, m in model.named_modules() if m is transformer_layers(model))
@@ -83,7 +99,10 @@ def main(argv=None) -> dict:
     model.train()
     for step in meter.steps(start_step, max_steps):
         batch = next(batches)
-        loss = task.loss(model, batch)
+        # Normalize by the items (target tokens or samples) of the global batch: gradients are averaged over
+        # processes, and each process's own mean would weigh a token differently from one big batch.
+        num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
+        loss = task.loss(model, batch, num_items)
         accelerator.backward(loss)
         if args.max_grad_norm:
             accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate.utils import DistributedType
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin
 from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 from transformers import BitsAndBytesConfig
 
@@ -28,7 +29,7 @@ from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.deepspeed_setup import gathered_parameters
-from shared.launch import build_accelerator
+from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.models import AUTO_CLASSES
 from shared.optim import optimizer_and_scheduler, total_steps
@@ -40,7 +41,7 @@ RECIPE = "qlora"
 DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def recipe_args(p):
+def add_args(p):
     p.add_argument("--bits", type=int, default=4, choices=(4, 8))
     p.add_argument("--bnb_4bit_quant_type", default="nf4", choices=("nf4", "fp4"))
     p.add_argument("--no_double_quant", action="store_true", help="Keep the 4-bit scales in fp32.")
@@ -60,31 +61,29 @@ def recipe_args(p):
                    help="Also write a merged full-precision model to <output_dir>/merged.")
 
 
-def check_combination(args, num_processes: int, sharded: bool) -> None:
-    """Stop before loading anything when the quantized model cannot train this way (sharded: ZeRO-3 or FSDP)."""
-    if args.merge and args.no_save_model:
-        raise SystemExit("--merge merges the saved adapter, and --no_save_model skips saving it. Drop one of them.")
-    if args.device_map == "auto" and num_processes > 1:
-        raise SystemExit(f"--device_map auto spreads one quantized model over several devices, which cannot train "
-                         f"data-parallel in {num_processes} processes (each needs its whole copy). Use "
-                         "--device_map process (the default), or launch a single process.")
-    if sharded and args.bits == 8:
-        raise SystemExit("8-bit bitsandbytes weights cannot be sharded by ZeRO-3 / FSDP. Use --bits 4 with "
-                         "--bnb_4bit_quant_storage bfloat16, or ZeRO-2 / DDP.")
-    if sharded and args.bnb_4bit_quant_storage == "uint8":
-        raise SystemExit("ZeRO-3 / FSDP shard parameters of one floating dtype, and 4-bit weights are packed in uint8 "
-                         "by default. Pass --bnb_4bit_quant_storage bfloat16 (the model's dtype), or use ZeRO-2 / DDP.")
-    if sharded and args.device_map == "auto":
-        raise SystemExit("--device_map auto cannot be combined with ZeRO-3 / FSDP, which place the shards themselves. "
-                         "Drop --device_map auto.")
-
-
 def main(argv=None) -> dict:
-    args = parse_args(argv, recipe_args, description=__doc__)
-    accelerator = build_accelerator(args, RECIPE)
-    ds = getattr(accelerator.state, "deepspeed_plugin", None)
-    sharded = bool(ds and ds.zero_stage == 3) or accelerator.distributed_type == DistributedType.FSDP
-    check_combination(args, accelerator.num_processes, sharded)
+    args = parse_args(argv, add_args, description=__doc__)
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    launch = resolve_launch(
+        args, RECIPE, base_weights="int8" if args.bits == 8 else "nf4", lora=True,
+        quant_storage=args.bnb_4bit_quant_storage, spread_devices=args.device_map == "auto",
+        merge_unsaved=args.merge and args.no_save_model,
+        flags={"base_weights": f"--bits {args.bits}", "quant_storage": "--bnb_4bit_quant_storage",
+               "spread_devices": "--device_map auto", "merge_unsaved": "--merge"})
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    sharded = launch.run.sharded_params  # ZeRO-3 or FSDP: they place the (quantized) shards themselves
     task = load_task(args, accelerator)
     out = Path(args.output_dir)
 
@@ -151,7 +150,10 @@ def main(argv=None) -> dict:
     model.train()
     for step in meter.steps(start_step, max_steps):
         batch = next(batches)
-        loss = task.loss(model, batch)
+        # Normalize by the items (target tokens or samples) of the global batch: gradients are averaged over
+        # processes, and each process's own mean would weigh a token differently from one big batch.
+        num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
+        loss = task.loss(model, batch, num_items)
         accelerator.backward(loss)
         if len(grad_checks) < 2:  # LoRA B starts at zero: B gets gradients at once, A from the second backward
             grad_checks.append(lora_grad_report(model))

@@ -11,6 +11,9 @@ an accelerate config or a DeepSpeed JSON given by the user overrides them.
 import sys
 from pathlib import Path
 
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from accelerate.utils import DeepSpeedPlugin
@@ -25,7 +28,7 @@ from shared.deepspeed_setup import (
     resolve_deepspeed_config,
     schedule_the_optimizer_that_steps,
 )
-from shared.launch import build_accelerator
+from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.results import finish
@@ -71,7 +74,22 @@ def main(argv=None) -> dict:
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config,
                              # ZeRO-3: build the model under zero.Init, so no process ever holds all of it.
                              zero3_init_flag=ds_config["zero_optimization"]["stage"] == 3)
-    accelerator = build_accelerator(args, RECIPE, accumulates=True, deepspeed_plugin=plugin)
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    launch = resolve_launch(args, RECIPE, deepspeed_config=ds_config)
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+        deepspeed_plugin=plugin,
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(args, accelerator)  # after the Accelerator: ZeRO-3 partitions the model as it is built
     max_steps = total_steps(args, accelerator, task.train_dataloader)
     # With offload Accelerate swaps this AdamW for DeepSpeedCPUAdam (same update, run on the CPU copies).

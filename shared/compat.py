@@ -1,18 +1,214 @@
-"""Which technique combinations train, and which stop before training with their reason and a way out.
+"""The one rule table: which recipe, launch config and flags can train together, and why the others cannot.
 
-Every rule here was found by running the combination (benchmarks/compat.py, docs/results/compat.md): a refusal
-replaces a crash deep inside a library, or a run that would silently train something else.
+Every recipe builds a `Run` from its own flags and the launch it was started with, and `check(run)` refuses a
+combination before anything is loaded, naming the reason and a fix in the recipe's own flag names. Every rule was
+found by running the combination (benchmarks/compat.py, docs/results/compat.md; tests/test_compat.py sweeps every
+recipe against every file in accelerate_configs/): a refusal replaces a crash deep inside a library, or a run that
+would silently train something other than what was asked.
 """
 
 from __future__ import annotations
 
-import argparse
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
-from accelerate.utils import DistributedType
+SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
+_CLASSIC = ("none", "ddp")  # one process, or DDP replicas: what a recipe that shows no sharding runs under
+_ZERO = ("zero1", "zero2", "zero3")
+
+
+@dataclass(frozen=True)
+class Support:
+    """What a recipe implements: the shardings it runs under, and the launches it needs."""
+
+    shardings: tuple[str, ...] = _CLASSIC
+    accumulates: bool = False  # its loop uses accelerator.accumulate
+    min_processes: int = 1
+    max_processes: int | None = None
+    needs_offload: bool = False
+    instead: str = ""  # where to go for the shardings it does not run
+
+
+_SHARDED = "recipes/zero.py (ZeRO), recipes/fsdp.py (FSDP) or recipes/combined.py (this technique with sharding)"
+RECIPES: dict[str, Support] = {
+    "baseline": Support(instead=_SHARDED),
+    "mixed_precision": Support(instead=_SHARDED),
+    "gradient_accumulation": Support(accumulates=True, instead=_SHARDED),
+    "activation_checkpointing": Support(instead="recipes/combined.py --gradient_checkpointing"),
+    "data_parallel": Support(instead=_SHARDED),
+    "optim_8bit": Support(instead="recipes/combined.py --optim adamw_8bit (ZeRO-1/2 without offload)"),
+    "pruning": Support(instead="a single process or DDP (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml)"),
+    "qat": Support(instead="a single process or DDP (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml)"),
+    "ptq": Support(shardings=("none",), max_processes=1, instead="`python recipes/ptq.py` (one process)"),
+    "model_parallel": Support(shardings=("none",), max_processes=1,
+                              instead="recipes/data_model_parallel.py for stages with data-parallel replicas"),
+    "pipeline_parallel": Support(shardings=("ddp",), min_processes=2, instead="accelerate_configs/pipeline.yaml"),
+    "data_model_parallel": Support(shardings=("ddp",), min_processes=4,
+                                   instead="accelerate_configs/data_model_parallel.yaml"),
+    "zero": Support(shardings=_ZERO, accumulates=True, instead="accelerate_configs/zero1.yaml, zero2.yaml, zero3.yaml"),
+    "zero3_offload": Support(shardings=_ZERO, accumulates=True, needs_offload=True,
+                             instead="accelerate_configs/zero3_offload.yaml, zero2_offload.yaml or zero3_nvme.yaml"),
+    "fsdp": Support(shardings=("fsdp",), min_processes=2, instead="accelerate_configs/fsdp.yaml or fsdp_offload.yaml"),
+    "qlora": Support(shardings=SHARDINGS),
+    "combined": Support(shardings=SHARDINGS),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one run asks for, in the table's words. `flags` says how this recipe spells each field, for messages."""
+
+    recipe: str
+    sharding: str  # what the recipe will run: none | ddp | zero1 | zero2 | zero3 | fsdp
+    launched: str  # what the launch config asked for (the same words)
+    offload: str = "none"  # none | cpu | nvme
+    num_processes: int = 1
+    precision: str = "no"
+    on_accelerator: bool = True
+    accumulation: int = 1
+    base_weights: str = "full"  # full | int8 | nf4 (bitsandbytes)
+    quant_storage: str = "uint8"
+    lora: bool = False
+    optimizer: str = "adamw"  # adamw | adamw_8bit
+    spread_devices: bool = False  # one model over several devices (device_map="auto")
+    merge_unsaved: bool = False  # merge an adapter that is not saved
+    flags: Mapping[str, str] = field(default_factory=dict)
+
+    def flag(self, name: str) -> str:
+        return self.flags.get(name, f"--{name}")
+
+    @property
+    def sharded_params(self) -> bool:
+        return self.sharding in ("zero3", "fsdp")
+
+
+@dataclass(frozen=True)
+class Rule:
+    applies: Callable[[Run], bool]
+    reason: Callable[[Run], str]  # the problem, naming the run's own flags
+    fix: Callable[[Run], str]
+
+
+def _launch_words(run: Run) -> str:
+    return {"none": "one process", "ddp": f"{run.num_processes} processes of plain data parallel",
+            "fsdp": "FSDP"}.get(run.launched, f"DeepSpeed ZeRO-{run.launched[-1]}")
+
+
+def _processes(n: int) -> str:
+    return "1 was" if n == 1 else f"{n} were"
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(lambda r: r.launched == "fsdp" and r.sharding.startswith("zero"),
+         lambda r: f"the launch config asks for FSDP, and recipes/{r.recipe}.py runs DeepSpeed",
+         lambda r: "launch it with a DeepSpeed config (accelerate_configs/zero*.yaml) or a plain one"),
+    Rule(lambda r: r.sharding not in RECIPES[r.recipe].shardings,
+         lambda r: f"recipes/{r.recipe}.py does not implement {_launch_words(r)}, which the launch config asks for; "
+                   "it would crash or train something else",
+         lambda r: f"use {RECIPES[r.recipe].instead}"),
+    Rule(lambda r: r.num_processes < RECIPES[r.recipe].min_processes,
+         lambda r: f"recipes/{r.recipe}.py needs at least {RECIPES[r.recipe].min_processes} processes, and "
+                   f"{_processes(r.num_processes)} launched",
+         lambda r: f"launch it with {RECIPES[r.recipe].instead}"),
+    Rule(lambda r: (RECIPES[r.recipe].max_processes or r.num_processes) < r.num_processes,
+         lambda r: f"recipes/{r.recipe}.py runs in one process that drives all its devices, and "
+                   f"{_processes(r.num_processes)} launched",
+         lambda r: f"use {RECIPES[r.recipe].instead}"),
+    Rule(lambda r: RECIPES[r.recipe].needs_offload and r.offload == "none",
+         lambda r: f"recipes/{r.recipe}.py shows offload, and the launch config offloads nothing",
+         lambda r: f"use {RECIPES[r.recipe].instead}, or recipes/zero.py for ZeRO without offload"),
+    Rule(lambda r: r.accumulation > 1 and not RECIPES[r.recipe].accumulates,
+         lambda r: f"--gradient_accumulation_steps {r.accumulation}: recipes/{r.recipe}.py does not accumulate "
+                   "gradients (Accelerate would still divide every loss by it)",
+         lambda r: "use recipes/gradient_accumulation.py or recipes/zero.py, or drop the flag"),
+    Rule(lambda r: r.base_weights != "full" and not r.lora,
+         lambda r: f"{r.flag('base_weights')}: quantized base weights are frozen and cannot train",
+         lambda r: f"add {r.flag('lora')} (adapters train on top of them), or load full weights"),
+    Rule(lambda r: r.base_weights == "int8" and r.sharded_params,
+         lambda r: f"{r.flag('base_weights')} under {r.sharding}: int8 bitsandbytes weights cannot be sharded",
+         lambda r: f"use 4-bit weights with {r.flag('quant_storage')} bfloat16, or ZeRO-1/2 / DDP"),
+    Rule(lambda r: r.base_weights == "nf4" and r.sharded_params and r.quant_storage == "uint8",
+         lambda r: f"{r.flag('base_weights')} under {r.sharding}: parameters are sharded per floating dtype, and "
+                   "4-bit weights are packed in uint8 by default",
+         lambda r: f"pass {r.flag('quant_storage')} bfloat16 (the model's dtype), or use ZeRO-1/2 / DDP"),
+    Rule(lambda r: r.spread_devices and r.num_processes > 1,
+         lambda r: f"{r.flag('spread_devices')} spreads one model over several devices, which cannot train "
+                   f"data-parallel in {r.num_processes} processes (each needs its whole copy)",
+         lambda r: "drop the flag (one copy per process), or launch a single process"),
+    Rule(lambda r: r.spread_devices and r.sharded_params,
+         lambda r: f"{r.flag('spread_devices')} under {r.sharding}, which places the shards itself",
+         lambda r: "drop the flag"),
+    Rule(lambda r: r.merge_unsaved,
+         lambda r: f"{r.flag('merge_unsaved')} merges the saved adapter, and --no_save_model skips saving it",
+         lambda r: "drop one of them"),
+    Rule(lambda r: r.optimizer == "adamw_8bit" and r.sharding.startswith("zero") and r.offload != "none",
+         # Accelerate swaps any optimizer for DeepSpeedCPUAdam under ZeRO offload: 32-bit state, not the 8-bit asked.
+         lambda r: f"{r.flag('optimizer')} with ZeRO {r.offload} offload: the offloaded step runs DeepSpeedCPUAdam "
+                   "(32-bit state in host memory), so the 8-bit optimizer would silently not be used",
+         lambda r: f"drop {r.flag('optimizer')} (offload already moves the state off the device), or drop the "
+                   "offload"),
+    Rule(lambda r: r.optimizer == "adamw_8bit" and r.sharding == "fsdp",
+         lambda r: f"{r.flag('optimizer')} under FSDP: bitsandbytes' optimizer kernels do not take FSDP2's sharded "
+                   "DTensor parameters (NotImplementedError in optimizer_update)",
+         lambda r: "use ZeRO-1/2 or DDP with the 8-bit optimizer, or torch AdamW under FSDP"),
+    Rule(lambda r: r.sharding in ("zero1", "zero2") and r.offload == "nvme",
+         # DeepSpeed 0.19's stage 1/2 optimizer treats any offload device as CPU memory: nothing would reach NVMe.
+         lambda r: f"optimizer offload to nvme under ZeRO stage {r.sharding[-1]}: stages 1 and 2 keep offloaded "
+                   "optimizer state in CPU memory whatever the device says",
+         lambda r: "use ZeRO-3 for NVMe offload (accelerate_configs/zero3_nvme.yaml), or offload to cpu"),
+    Rule(lambda r: r.sharding.startswith("zero") and r.precision == "fp16" and not r.on_accelerator,
+         lambda r: "fp16 under DeepSpeed needs a GPU: on CPU DeepSpeed refuses it ('Type fp16 is not supported on "
+                   "your device')",
+         lambda r: "use --mixed_precision bf16 (or no)"),
+)
+
+
+def refusals(run: Run) -> list[str]:
+    """Every rule the run breaks, as 'problem. Fix: ...' sentences (empty: it trains)."""
+    if run.recipe not in RECIPES:
+        return [f"recipes/{run.recipe}.py is not in shared/compat.py's RECIPES table. Fix: add its row there."]
+    found = [(rule.reason(run), rule.fix(run)) for rule in RULES if rule.applies(run)]
+    return [f"{reason}. Fix: {fix[0].upper()}{fix[1:]}." for reason, fix in found]
+
+
+def check(run: Run) -> None:
+    """Stop (SystemExit) before anything is loaded when the run breaks a rule."""
+    found = refusals(run)
+    if found:
+        raise SystemExit("Refused before training: " + " ".join(found))
+
+
+# ---------------------------------------------------------------- the launch, as `accelerate launch` described it
+
+
+def _env_true(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "false").lower() in ("1", "true", "yes")
+
+
+def launched_sharding(env: Mapping[str, str] = os.environ) -> tuple[str, str, int]:
+    """(sharding, offload, processes) the launch config asked for, from the variables `accelerate launch` sets."""
+    world = int(env.get("WORLD_SIZE", "1"))
+    if _env_true(env, "ACCELERATE_USE_DEEPSPEED"):
+        devices = {env.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{p}_DEVICE", "none").lower() for p in ("OPTIMIZER", "PARAM")}
+        offload = "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
+        return f"zero{env.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}", offload, world
+    if _env_true(env, "ACCELERATE_USE_FSDP"):
+        return "fsdp", "cpu" if _env_true(env, "FSDP_OFFLOAD_PARAMS") else "none", world
+    return ("ddp" if world > 1 else "none"), "none", world
+
+
+def deepspeed_sharding(ds_config: dict) -> tuple[str, str]:
+    """(sharding, offload) of a resolved DeepSpeed config."""
+    zero = ds_config.get("zero_optimization", {})
+    devices = {(zero.get(p) or {}).get("device", "none") for p in ("offload_optimizer", "offload_param")}
+    return f"zero{zero.get('stage', 0)}", "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
 
 
 def sharding_of(accelerator) -> str:
-    """none | ddp | zero1 | zero2 | zero3 | fsdp: how this run spreads the model state over processes."""
+    """none | ddp | zero1 | zero2 | zero3 | fsdp: how a built Accelerator spreads the model state (for results)."""
+    from accelerate.utils import DistributedType
+
     kind = accelerator.distributed_type
     if kind == DistributedType.DEEPSPEED:
         return f"zero{accelerator.state.deepspeed_plugin.zero_stage}"
@@ -22,39 +218,14 @@ def sharding_of(accelerator) -> str:
 
 
 def offload_of(accelerator) -> str:
-    """none | cpu | nvme: where optimizer state (and, under ZeRO-3 / FSDP, parameters) are offloaded."""
+    """none | cpu | nvme, as a built Accelerator runs it (for results)."""
+    from accelerate.utils import DistributedType
+
     kind = accelerator.distributed_type
     if kind == DistributedType.DEEPSPEED:
-        zero = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
-        devices = {(zero.get(part) or {}).get("device", "none") for part in ("offload_optimizer", "offload_param")}
-        return "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
+        return deepspeed_sharding(accelerator.state.deepspeed_plugin.deepspeed_config)[1]
     if kind == DistributedType.FSDP:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         return "cpu" if isinstance(accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy) else "none"
     return "none"
-
-
-def check_combination(args: argparse.Namespace, accelerator) -> None:
-    """Stop (SystemExit, naming the problem and the fix) on a combination that cannot train as asked."""
-    sharding, offload = sharding_of(accelerator), offload_of(accelerator)
-    quantized = args.load_in != "full"
-    if quantized and not args.lora:
-        raise SystemExit(f"--load_in {args.load_in}: quantized base weights are frozen and cannot train. Add --lora "
-                         "(adapters train on top of them), or use --load_in full.")
-    if quantized and sharding in ("zero3", "fsdp") and args.load_in == "8bit":
-        raise SystemExit(f"--load_in 8bit under {sharding}: int8 bitsandbytes weights cannot be sharded. Use "
-                         "--load_in 4bit --bnb_4bit_quant_storage bfloat16, or ZeRO-1/2 / DDP.")
-    if args.load_in == "4bit" and sharding in ("zero3", "fsdp") and args.bnb_4bit_quant_storage == "uint8":
-        raise SystemExit(f"--load_in 4bit under {sharding}: parameters are sharded per floating dtype, and 4-bit "
-                         "weights are packed in uint8 by default. Pass --bnb_4bit_quant_storage bfloat16 (or the "
-                         "model's dtype), or use ZeRO-1/2 / DDP.")
-    if args.optim == "adamw_8bit" and sharding.startswith("zero") and offload != "none":
-        # Accelerate swaps any optimizer for DeepSpeedCPUAdam under ZeRO offload: 32-bit state, not the 8-bit asked.
-        raise SystemExit(f"--optim adamw_8bit with ZeRO {offload} offload: the offloaded step runs DeepSpeedCPUAdam "
-                         "(32-bit state in host memory), so the 8-bit optimizer would silently not be used. Drop "
-                         "--optim adamw_8bit (offload already moves the state off the device), or drop the offload.")
-    if args.optim == "adamw_8bit" and sharding == "fsdp":
-        raise SystemExit("--optim adamw_8bit under FSDP: bitsandbytes' optimizer kernels do not take FSDP2's sharded "
-                         "DTensor parameters (NotImplementedError in optimizer_update). Use ZeRO-1/2 or DDP with the "
-                         "8-bit optimizer, or torch AdamW under FSDP.")

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from .launch import has_accelerator
 from .meter import state_bytes
 
 logger = logging.getLogger("recipes")
@@ -167,17 +166,12 @@ def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> d
     stage = int(zero.get("stage", 0))
     if stage not in (1, 2, 3):
         raise SystemExit(f"ZeRO stage {stage}: these recipes run stage 1, 2 or 3.")
-    if stage < 3 and (zero.get("offload_optimizer") or {}).get("device") == "nvme":
-        # DeepSpeed 0.19's stage 1/2 optimizer treats any offload device as CPU memory: nothing would reach NVMe.
-        raise SystemExit(f"offload_optimizer to nvme under ZeRO stage {stage}: stages 1 and 2 keep offloaded optimizer "
-                         "state in CPU memory whatever the device says. Use ZeRO-3 for NVMe offload "
-                         "(accelerate_configs/zero3_nvme.yaml), or offload to cpu.")
     for part in ("offload_optimizer", "offload_param"):
         block = zero.get(part)
         device = (block or {}).get("device", "none")
         if device == "none" and block is not None:
             block.pop("nvme_path", None)
-        if device != "nvme":
+        if device != "nvme" or stage < 3:  # NVMe under ZeRO-1/2 is refused by the rule table (shared/compat.py)
             continue
         path = chosen.get(f"zero_optimization.{part}.nvme_path", (None, ""))[0]
         if path is None:
@@ -194,11 +188,6 @@ def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> d
             raise SystemExit(f"stage3_gather_16bit_weights_on_model_save is false ({save16[1]}): the final model "
                              "cannot be consolidated. Set it true, or pass --no_save_model.")
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-
-    if args.mixed_precision == "fp16" and not has_accelerator():
-        source = chosen["mixed_precision"][1]
-        raise SystemExit(f"fp16 (from {source}) under DeepSpeed needs a GPU: on CPU DeepSpeed refuses it "
-                         "('Type fp16 is not supported on your device'). Use --mixed_precision bf16 (or no).")
 
     # Accelerate refuses a config dict beside YAML DeepSpeed fields ("will be ignored"): they were merged and
     # checked against each other above, so that refusal no longer applies.

@@ -1,20 +1,22 @@
-"""Build the Accelerator. Each launch snag of this stack is handled here, once, with the reason beside it."""
+"""Before and after the recipe builds its Accelerator: each launch snag of this stack is handled here, once, with
+the reason beside it. The recipe itself builds `Accelerator(...)`, with the arguments that change behaviour."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
+from accelerate import Accelerator, FullyShardedDataParallelPlugin
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
 
+from . import compat
 from .checkpoint import install_preemption_handler
 from .fsdp_cpu import force_fsdp_on_cpu
-from .preflight import check_environment
 
 logger = logging.getLogger("recipes")
 
@@ -28,10 +30,6 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
-
-
 def resolve_mixed_precision(args: argparse.Namespace, recipe_default: str) -> str:
     """The flag wins, then the accelerate config (which `accelerate launch` passes as an env var), then the recipe."""
     if args.mixed_precision:
@@ -40,91 +38,95 @@ def resolve_mixed_precision(args: argparse.Namespace, recipe_default: str) -> st
     return from_config if from_config != "no" else recipe_default
 
 
-def build_accelerator(
+@dataclass
+class Launch:
+    """What a run was launched as, resolved and checked before the Accelerator exists; the recipe passes it on."""
+
+    run: compat.Run
+    cpu: bool  # Accelerator(cpu=...): gloo DDP on a CPU-only machine
+    kwargs_handlers: list = field(default_factory=list)
+    log_with: list[str] | None = None
+    fsdp_plugin: FullyShardedDataParallelPlugin | None = None
+
+
+def resolve_launch(
     args: argparse.Namespace,
     recipe: str,
+    *,
+    deepspeed_config: dict | None = None,
+    fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
     default_mixed_precision: str = "no",
-    accumulates: bool = False,
-    **accelerator_kwargs: object,
-) -> Accelerator:
-    """An Accelerator that really does what the launch config asks, on GPUs and on CPU-only machines alike.
+    **asks: object,
+) -> Launch:
+    """Resolve the launch, and refuse a combination that cannot train, before anything is built or loaded.
 
-    Fills args.recipe, args.output_dir and args.mixed_precision with the resolved values. `accumulates`: the
-    recipe's loop uses accelerator.accumulate; other recipes refuse --gradient_accumulation_steps > 1, since
-    Accelerate would still divide every loss by it. Extra keyword arguments go to the Accelerator (a recipe passes
-    its DeepSpeed or FSDP plugin this way, in plain sight).
+    Fills args.recipe, args.output_dir and args.mixed_precision with the resolved values. `deepspeed_config` /
+    `fsdp_plugin`: the sharding the recipe itself sets up. `asks`: the recipe's techniques as `compat.Run` fields,
+    with `flags` saying how the recipe spells them, so a refusal names the user's own flags.
     """
-    if args.gradient_accumulation_steps > 1 and not accumulates:
-        raise SystemExit(f"--gradient_accumulation_steps {args.gradient_accumulation_steps}: recipes/{recipe}.py does "
-                         "not accumulate gradients. Use recipes/gradient_accumulation.py, or drop the flag.")
     args.recipe = recipe
     args.output_dir = args.output_dir or str(Path("outputs") / f"{recipe}-{args.task}")
     args.mixed_precision = resolve_mixed_precision(args, default_mixed_precision)
-    world = launched_world_size()
+    launched, offload, world = compat.launched_sharding(os.environ)
+    sharding = launched
+    if deepspeed_config is not None:
+        sharding, offload = compat.deepspeed_sharding(deepspeed_config)
+    elif fsdp_plugin is not None:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        sharding, offload = "fsdp", "cpu" if isinstance(fsdp_plugin.cpu_offload, CPUOffloadPolicy) else "none"
     on_cpu = not has_accelerator()
+    run = compat.Run(recipe=recipe, sharding=sharding, launched=launched, offload=offload, num_processes=world,
+                     precision=args.mixed_precision, on_accelerator=not on_cpu,
+                     accumulation=args.gradient_accumulation_steps, **asks)
+    compat.check(run)  # the rule table: refused here, with the reason and the fix
+    check_environment(args, uses_deepspeed=sharding.startswith("zero"))
 
     # Two processes on two cores with torch's default thread count oversubscribe the CPU: a 3 s run took 83 s.
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-
-    kwargs_handlers = list(accelerator_kwargs.pop("kwargs_handlers", []))
     # A process that dies or hangs makes the others fail after this long instead of waiting forever.
     process_group = InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))
-    kwargs_handlers.append(process_group)
-    uses_deepspeed = _env_true("ACCELERATE_USE_DEEPSPEED") or "deepspeed_plugin" in accelerator_kwargs
-    uses_fsdp = _env_true("ACCELERATE_USE_FSDP") or "fsdp_plugin" in accelerator_kwargs
-    check_environment(args, uses_deepspeed)
     cpu = False
-    if uses_deepspeed and "LOCAL_RANK" not in os.environ:
+    if sharding.startswith("zero") and "LOCAL_RANK" not in os.environ:
         # One process without a launcher (plain `accelerate launch` or `python`): DeepSpeed still needs a process
         # group, and Accelerate only creates one when the launcher's variables are set.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
-    if on_cpu and uses_deepspeed:
+    if on_cpu and sharding.startswith("zero"):
         # Without GPUs Accelerate counts one process under DeepSpeed unless the process group is gloo.
         process_group.backend = "gloo"
     elif on_cpu and world > 1:
-        if uses_fsdp:
+        if sharding == "fsdp":
             # Accelerate never enables FSDP without GPUs (the replicas would train unsynced): start a gloo group
-            # here and force FSDP2 once the Accelerator exists (shared/fsdp_cpu.py).
+            # here and force FSDP2 once the Accelerator exists (start_run, shared/fsdp_cpu.py).
             process_group.backend = "gloo"
         else:
             # A MULTI_GPU config with `use_cpu: true` gives real gloo DDP only with cpu=True in the script;
             # without it every process reports DistributedType.NO and trains its own unsynced copy.
             cpu = True
+    return Launch(run=run, cpu=cpu, kwargs_handlers=[process_group], log_with=_trackers(args.report_to),
+                  fsdp_plugin=fsdp_plugin)
 
-    log_with = _trackers(args.report_to)
-    accelerator = Accelerator(
-        cpu=cpu,
-        mixed_precision=args.mixed_precision,
-        # Sync every k-th micro-batch, counted across epoch ends: the recipes draw whole windows of k batches from
-        # an endless iterator, and Accelerate's default (also sync at the end of a dataloader) would step the
-        # optimizer mid-window and shift every later window.
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
-        log_with=log_with,
-        project_dir=args.output_dir,
-        # The scheduler is stepped once per optimizer step, in the recipe. Left to Accelerate, it steps
-        # num_processes times per optimizer step.
-        step_scheduler_with_optimizer=False,
-        # Shuffling seeded by (seed, epoch): a resumed run sees the same batches as an uninterrupted one.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        kwargs_handlers=kwargs_handlers,
-        **accelerator_kwargs,
-    )
-    if on_cpu and world > 1 and uses_fsdp and not uses_deepspeed:
-        force_fsdp_on_cpu(accelerator, accelerator_kwargs.get("fsdp_plugin"))
-    if accelerator.num_processes != world:
+
+def start_run(accelerator: Accelerator, args: argparse.Namespace, launch: Launch) -> None:
+    """Right after Accelerator(...): check that Accelerate resolved what was launched, make fp16 real on CPU, and
+    start logging, seeding, trackers and the preemption handler."""
+    run = launch.run
+    if not has_accelerator() and run.num_processes > 1 and run.sharding == "fsdp":
+        force_fsdp_on_cpu(accelerator, launch.fsdp_plugin)
+    if accelerator.num_processes != run.num_processes:
         raise SystemExit(
-            f"{world} processes were launched but Accelerate sees {accelerator.num_processes} "
+            f"{run.num_processes} processes were launched but Accelerate sees {accelerator.num_processes} "
             f"(distributed_type={accelerator.distributed_type}): the processes would train unsynced copies. "
             "On a CPU-only machine use accelerate_configs/multi_cpu.yaml (MULTI_GPU with use_cpu: true)."
         )
-    if uses_deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
-        # `use_cpu: true` in the accelerate config turns DeepSpeed off: the run would not be the one asked for.
+    if compat.sharding_of(accelerator) != run.sharding:
+        # E.g. `use_cpu: true` in a DeepSpeed accelerate config turns DeepSpeed off: not the run that was asked for.
         raise SystemExit(
-            f"This recipe runs DeepSpeed, but Accelerate resolved distributed_type={accelerator.distributed_type}. "
-            "Use a DeepSpeed accelerate config (accelerate_configs/zero*.yaml, `use_cpu: false`) or none."
+            f"recipes/{run.recipe}.py was checked as a {run.sharding} run, but Accelerate resolved "
+            f"{compat.sharding_of(accelerator)} (distributed_type={accelerator.distributed_type.value}). Use a "
+            "launch config of that kind (accelerate_configs/), with `use_cpu: false` for DeepSpeed."
         )
     if (
         accelerator.mixed_precision == "fp16"
@@ -139,15 +141,27 @@ def build_accelerator(
         level=logging.INFO if accelerator.is_main_process else logging.WARNING,
     )
     set_seed(args.seed)
-    if log_with:
+    if launch.log_with:
         config = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()}
-        accelerator.init_trackers(recipe, config=config)
+        accelerator.init_trackers(run.recipe, config=config)
     logger.info(
         "%s: task=%s distributed_type=%s processes=%d device=%s mixed_precision=%s output_dir=%s",
-        recipe, args.task, accelerator.distributed_type.value, accelerator.num_processes,
+        run.recipe, args.task, accelerator.distributed_type.value, accelerator.num_processes,
         accelerator.device, accelerator.mixed_precision, args.output_dir,
     )
-    return accelerator
+
+
+def check_environment(args: argparse.Namespace, uses_deepspeed: bool) -> None:
+    """What this machine cannot do, refused at start-up with the fix."""
+    if uses_deepspeed:
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            raise SystemExit("This run uses DeepSpeed, which is not installed. "
+                             "`pip install -r requirements.txt` (deepspeed==0.19.8).") from None
+    if args.mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise SystemExit(f"--mixed_precision bf16: {torch.cuda.get_device_name()} has no bf16 support. "
+                         "Use --mixed_precision fp16 (dynamic loss scaling), or fp32.")
 
 
 def _trackers(report_to: str | None) -> list[str] | None:

@@ -19,19 +19,6 @@ from pathlib import Path
 import torch
 
 
-def check_environment(args, uses_deepspeed: bool) -> None:
-    """What this machine cannot do, refused at start-up with the fix (every recipe runs it)."""
-    if uses_deepspeed:
-        try:
-            import deepspeed  # noqa: F401
-        except ImportError:
-            raise SystemExit("This launch config asks for DeepSpeed, which is not installed. "
-                             "`pip install -r requirements.txt` (deepspeed==0.19.8).") from None
-    if args.mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        raise SystemExit(f"--mixed_precision bf16: {torch.cuda.get_device_name()} has no bf16 support. "
-                         "Use --mixed_precision fp16 (dynamic loss scaling), or fp32.")
-
-
 def _technique(recipe: str, accelerator):
     """The planner's model of this run, if it has one."""
     from .plan import TECHNIQUES

@@ -126,7 +126,7 @@ CASES = [
     Case("merge-without-adapter", "merging an adapter that the run is told not to save", ["--merge", "--no_save_model"],
          ["--no_save_model skips saving it", "Drop one of them"], recipe="qlora"),
     Case("fsdp-single-process", "FSDP with one process: nothing to shard over", [],
-         ["FSDP shards over processes", "accelerate_configs/fsdp.yaml"], recipe="fsdp"),
+         ["recipes/fsdp.py needs at least 2 processes", "accelerate_configs/fsdp.yaml"], recipe="fsdp"),
     Case("microbatches-not-dividing", "a pipeline batch that micro-batches do not divide",
          ["--per_device_train_batch_size", "6", "--n_microbatches", "4"],
          ["not divisible by --n_microbatches", "pick a batch size that is a multiple of it"],

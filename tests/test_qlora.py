@@ -5,7 +5,7 @@ and lower the loss, an adapter that reloads onto a freshly quantized base, a mer
 import pytest
 import torch
 
-from tests.conftest import launch, load_recipe, run_recipe
+from tests.conftest import launch, run_recipe
 from tests.quant_models import make_model_dir
 
 TASKS = ("text-classification", "causal-lm", "image-classification")
@@ -120,20 +120,25 @@ def test_qlora_ddp_two_processes(tmp_path):
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
 
 
-@pytest.mark.parametrize("flags, processes, sharded, message", [
-    (["--device_map", "auto"], 2, False, "spreads one quantized model over several devices"),  # under DDP
-    (["--bits", "4"], 1, True, "Pass --bnb_4bit_quant_storage bfloat16"),  # ZeRO-3 / FSDP without quant storage
-    (["--bits", "8"], 1, True, "8-bit bitsandbytes weights cannot be sharded"),
-    (["--bits", "4", "--bnb_4bit_quant_storage", "bfloat16", "--device_map", "auto"], 1, True, "--device_map auto"),
-    (["--merge", "--no_save_model"], 1, False, "Drop one of them"),
+ZERO3 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}
+
+
+@pytest.mark.parametrize("flags, env, message", [
+    (["--device_map", "auto"], {"WORLD_SIZE": "2"}, "--device_map auto spreads one model over several devices"),
+    (["--bits", "4"], ZERO3, "Pass --bnb_4bit_quant_storage bfloat16"),  # ZeRO-3 without quant storage
+    (["--bits", "8"], {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2"}, "--bits 8 under fsdp: int8 bitsandbytes"),
+    (["--bits", "4", "--bnb_4bit_quant_storage", "bfloat16", "--device_map", "auto"], ZERO3,
+     "--device_map auto under zero3"),
+    (["--merge", "--no_save_model"], {}, "Drop one of them"),
 ])
-def test_bad_combinations_fail_fast(flags, processes, sharded, message):
-    # The check main() runs right after the Accelerator is built, before loading anything. Called directly: ZeRO-3
-    # cannot start on this CPU box, and a 2-process launch only to see it refuse costs ~30 s of test time.
-    qlora = load_recipe("qlora")
-    args = qlora.parse_args(flags, qlora.recipe_args)
+def test_bad_combinations_fail_fast(flags, env, message, tmp_path, monkeypatch):
+    # The rule table runs before the Accelerator is built: the launch is described by the variables `accelerate
+    # launch` would set, and no process group (nor ZeRO-3, which cannot start on this CPU box) is needed to refuse.
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     with pytest.raises(SystemExit, match=message):
-        qlora.check_combination(args, num_processes=processes, sharded=sharded)
+        run_recipe("qlora", tmp_path, *flags)
+    assert not (tmp_path / "base_model").exists()
 
 
 def test_merge_without_saving_stops_before_training(tmp_path):
