@@ -17,8 +17,6 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import DeepSpeedPlugin, GradientAccumulationPlugin
-from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-from transformers import BitsAndBytesConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
@@ -92,6 +90,10 @@ def main(argv=None) -> dict:
         deepspeed_plugin=plugin,  # None: the launch config's sharding (DDP, FSDP) or none
     )
     start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    # The technique's library, imported once the launch is known to be valid: --help and a refused launch
+    # need not wait for its import (seconds).
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
     sharded = launch.run.sharded_params  # ZeRO-3 or FSDP: they place the (quantized) shards themselves
     task = load_task(args, accelerator)
 

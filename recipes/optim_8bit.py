@@ -13,7 +13,6 @@ fall back to plain memory the way bitsandbytes does.
 import sys
 from pathlib import Path
 
-import bitsandbytes as bnb
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradientAccumulationPlugin
@@ -58,6 +57,9 @@ def main(argv=None) -> dict:
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
     )
     start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    # The technique's library, imported once the launch is known to be valid: --help and a refused launch
+    # need not wait for its import (seconds).
+    import bitsandbytes as bnb
     if args.paged and accelerator.device.type != "cuda":
         # bitsandbytes would warn and silently allocate ordinary memory: nothing would be paged.
         raise SystemExit(f"--paged needs a CUDA device (unified memory); this run is on {accelerator.device.type}. "

@@ -15,7 +15,6 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradientAccumulationPlugin
 from torch import nn
-from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
@@ -52,6 +51,9 @@ def main(argv=None) -> dict:
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
     )
     start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    # The technique's library, imported once the launch is known to be valid: --help and a refused launch
+    # need not wait for its import (seconds).
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
     task = load_task(args, accelerator)
     model = task.model.to(accelerator.device).eval()
     before = task.evaluate(model, task.eval_dataloader, accelerator)

@@ -19,9 +19,6 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradientAccumulationPlugin
 from torch import nn
-from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
-from torchao.quantization.granularity import PerGroup
-from torchao.quantization.qat import QATConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
@@ -65,6 +62,11 @@ def main(argv=None) -> dict:
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
     )
     start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    # The technique's library, imported once the launch is known to be valid: --help and a refused launch
+    # need not wait for its import (seconds).
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+    from torchao.quantization.qat import QATConfig
     task = load_task(args, accelerator)
     model = conv1d_to_linear(task.model)  # GPT-2's Conv1D layers become nn.Linear, which torchao quantizes
     blocks = next(name for name, m in model.named_modules() if m is transformer_layers(model))

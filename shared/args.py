@@ -8,6 +8,16 @@ from collections.abc import Callable, Sequence
 TASKS = ("text-classification", "causal-lm", "image-classification")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the recipe docstring's line breaks (its launch examples) and shows every flag's default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "%(default)" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def parse_args(
     argv: Sequence[str] | None = None,
     add_recipe_args: Callable[[argparse.ArgumentParser], None] | None = None,
@@ -15,7 +25,7 @@ def parse_args(
     **defaults: object,
 ) -> argparse.Namespace:
     """Parse the common flags and the recipe's own; `defaults` override the common defaults for one recipe."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     g = p.add_argument_group("task and model")
     g.add_argument("--task", default="text-classification", choices=TASKS)
     g.add_argument("--model_name_or_path", default=None,
@@ -75,6 +85,9 @@ def parse_args(
     if add_recipe_args is not None:
         add_recipe_args(p.add_argument_group("this recipe"))
     p.set_defaults(**defaults)
+    for action in p._actions:  # argparse prints a default only beside some help text
+        if action.help is None and action.option_strings:
+            action.help = "default: %(default)s"
     args = p.parse_args(argv)
     # Which flags the user really passed (not defaults): a recipe can then tell a choice from a default when
     # another source (an accelerate config, a DeepSpeed JSON) sets the same thing. argparse fills a default only

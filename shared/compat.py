@@ -95,14 +95,20 @@ def _launch_words(run: Run) -> str:
             "fsdp": "FSDP"}.get(run.launched, f"DeepSpeed ZeRO-{run.launched[-1]}")
 
 
+def _kind(sharding: str) -> str:
+    return "zero" if sharding.startswith("zero") else sharding
+
+
 def _processes(n: int) -> str:
     return "1 was" if n == 1 else f"{n} were"
 
 
 RULES: tuple[Rule, ...] = (
-    Rule(lambda r: r.launched == "fsdp" and r.sharding.startswith("zero"),
-         lambda r: f"the launch config asks for FSDP, and recipes/{r.recipe}.py runs DeepSpeed",
-         lambda r: "launch it with a DeepSpeed config (accelerate_configs/zero*.yaml) or a plain one"),
+    Rule(lambda r: _kind(r.launched) in ("zero", "fsdp") and _kind(r.sharding) != _kind(r.launched),
+         lambda r: f"the launch config asks for {_launch_words(r)}, and recipes/{r.recipe}.py runs "
+                   f"{'DeepSpeed' if _kind(r.sharding) == 'zero' else 'FSDP'} itself",
+         lambda r: "launch it with a plain config (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml) or one of "
+                   f"its own kind ({RECIPES[r.recipe].instead})"),
     Rule(lambda r: r.sharding not in RECIPES[r.recipe].shardings,
          lambda r: f"recipes/{r.recipe}.py does not implement {_launch_words(r)}, which the launch config asks for; "
                    "it would crash or train something else",

@@ -14,7 +14,7 @@ import torch
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
 
-from . import compat
+from . import compat, quiet
 from .checkpoint import install_preemption_handler
 from .fsdp_cpu import force_fsdp_on_cpu
 
@@ -64,6 +64,7 @@ def resolve_launch(
     `fsdp_plugin`: the sharding the recipe itself sets up. `asks`: the recipe's techniques as `compat.Run` fields,
     with `flags` saying how the recipe spells them, so a refusal names the user's own flags.
     """
+    quiet.silence_known_noise()  # before DeepSpeed, torchao and bitsandbytes are first imported
     args.recipe = recipe
     args.output_dir = args.output_dir or str(Path("outputs") / f"{recipe}-{args.task}")
     args.mixed_precision = resolve_mixed_precision(args, default_mixed_precision)

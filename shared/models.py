@@ -4,24 +4,27 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForImageClassification,
-    AutoModelForSequenceClassification,
-    BertConfig,
-    GPT2Config,
-    PretrainedConfig,
-    ViTConfig,
-)
 
-AUTO_CLASSES = {
-    "text-classification": AutoModelForSequenceClassification,
-    "causal-lm": AutoModelForCausalLM,
-    "image-classification": AutoModelForImageClassification,
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+# transformers is imported where it is used: a recipe's --help and its start-up refusals need not wait for it.
+_AUTO_CLASS_NAMES = {
+    "text-classification": "AutoModelForSequenceClassification",
+    "causal-lm": "AutoModelForCausalLM",
+    "image-classification": "AutoModelForImageClassification",
 }
+
+
+def __getattr__(name: str) -> object:
+    if name == "AUTO_CLASSES":  # {task: the transformers Auto class that builds its model}
+        import transformers
+
+        return {task: getattr(transformers, cls) for task, cls in _AUTO_CLASS_NAMES.items()}
+    raise AttributeError(name)
 
 
 def preset_config(task: str, preset: str, vocab_size: int = 30522, num_labels: int = 2,
@@ -30,6 +33,8 @@ def preset_config(task: str, preset: str, vocab_size: int = 30522, num_labels: i
 
     token_ids: pad/bos/eos ids of the tokenizer the model is built for.
     """
+    from transformers import BertConfig, GPT2Config, ViTConfig
+
     if task == "text-classification":
         dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                     max_position_embeddings=128, vocab_size=vocab_size) if preset == "tiny" else {}
@@ -62,6 +67,8 @@ def unreachable(name: str, err: Exception) -> SystemExit:
 
 
 def load_pretrained_config(args: argparse.Namespace, **overrides: object) -> PretrainedConfig:
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code,
                                           **overrides)
@@ -71,7 +78,9 @@ def load_pretrained_config(args: argparse.Namespace, **overrides: object) -> Pre
 
 def build_model(args: argparse.Namespace, config: PretrainedConfig) -> nn.Module:
     """From the hub or a directory when --model_name_or_path is set, else from `config` with random weights."""
-    auto = AUTO_CLASSES[args.task]
+    import transformers
+
+    auto = getattr(transformers, _AUTO_CLASS_NAMES[args.task])
     if args.disable_dropout:
         for key, value in config.to_dict().items():
             if ("dropout" in key or "pdrop" in key) and isinstance(value, float):

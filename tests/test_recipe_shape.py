@@ -1,0 +1,108 @@
+"""The shape every recipe keeps: its own visible Accelerator(...), the rule check before it, and a diff against
+baseline.py that shows the technique and little else, held under a budget per recipe.
+
+A budget is the number of lines `diff recipes/baseline.py recipes/<name>.py` adds or removes. There is no exclude
+list: a new recipe fails here until it has a budget, and a recipe that drifts (copies shared logic back in, or
+grows a second technique) fails until it is slimmed or its budget is raised in review, with the reason.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
+
+# Lines changed against baseline.py, measured 2026-12-01, plus about 10% for small edits.
+DIFF_BUDGET = {
+    "mixed_precision": 42,
+    "gradient_accumulation": 46,
+    "optim_8bit": 54,
+    "fsdp": 55,
+    "data_parallel": 65,
+    "qat": 87,
+    "zero": 94,
+    "ptq": 95,
+    "model_parallel": 97,
+    "zero3_offload": 106,
+    "activation_checkpointing": 108,
+    "combined": 128,
+    "pipeline_parallel": 144,
+    "pruning": 145,
+    "qlora": 161,
+    "data_model_parallel": 165,
+}
+
+# What every Accelerator(...) passes: the behaviour a user who copies the loop must not lose (shared/launch.py).
+VISIBLE = ("cpu=launch.cpu", "mixed_precision=args.mixed_precision", "sync_with_dataloader=False",
+           "step_scheduler_with_optimizer=False", "use_seedable_sampler=True", "kwargs_handlers=")
+
+
+def changed_lines(recipe: str) -> int:
+    base = (ROOT / "recipes" / "baseline.py").read_text().splitlines()
+    other = (ROOT / "recipes" / f"{recipe}.py").read_text().splitlines()
+    return sum(1 for line in difflib.unified_diff(base, other, lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---")))
+
+
+def test_every_recipe_has_a_budget_and_keeps_it():
+    assert set(DIFF_BUDGET) == set(RECIPES) - {"baseline"}, "every recipe needs a diff budget, and only recipes"
+    over = {r: (changed_lines(r), DIFF_BUDGET[r]) for r in DIFF_BUDGET if changed_lines(r) > DIFF_BUDGET[r]}
+    assert not over, f"diff against baseline.py over budget (lines, budget): {over}"
+
+
+def test_the_budget_catches_drift(tmp_path):
+    """A recipe that copies shared logic back in goes over its budget (the check can fail)."""
+    recipe = "mixed_precision"
+    drifted = (ROOT / "recipes" / f"{recipe}.py").read_text() + "\n" + "\n".join(
+        f"# a pasted helper, line {i}" for i in range(DIFF_BUDGET[recipe]))
+    base = (ROOT / "recipes" / "baseline.py").read_text().splitlines()
+    extra = sum(1 for line in difflib.unified_diff(base, drifted.splitlines(), lineterm="", n=0)
+                if line[:1] in "+-" and not line.startswith(("+++", "---")))
+    assert extra > DIFF_BUDGET[recipe]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_accelerator_is_built_in_the_recipe(recipe):
+    source = (ROOT / "recipes" / f"{recipe}.py").read_text()
+    assert source.count("Accelerator(") == 1, "one Accelerator(...), built in the recipe itself"
+    call = source[source.index("Accelerator("):]
+    call = call[:call.index("\n    )\n")]
+    for kwarg in VISIBLE:
+        assert kwarg in call, f"{recipe}: Accelerator(...) lacks {kwarg}"
+    # The rule table runs before it, and the post-construction checks right after it.
+    assert source.index("resolve_launch(args, RECIPE") < source.index("Accelerator(") < source.index("start_run(")
+    assert re.search(r"^def add_args\(", source, re.M), "the per-recipe flag hook is add_args in every recipe"
+
+
+def test_every_recipe_is_in_the_rule_table():
+    from shared.compat import RECIPES as TABLE
+
+    assert set(TABLE) == set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", ["baseline", "qlora"])
+def test_help_keeps_the_docstring_and_shows_every_default(recipe):
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), "--help"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    doc = [line for line in __import__("ast").get_docstring(
+        __import__("ast").parse((ROOT / "recipes" / f"{recipe}.py").read_text())).splitlines() if line.strip()]
+    assert all(line in out for line in doc), "the docstring's lines, as written"
+    flags = re.findall(r"^  (--[a-z0-9_]+)", out, re.M)
+    assert len(flags) > 30
+    blocks = re.split(r"\n  (?=--)", out.split("options:", 1)[1])
+    missing = [b.split()[0] for b in blocks[1:] if "default" not in b]
+    assert not missing, f"flags whose default --help does not show: {missing}"
+    assert not proc.stderr.strip(), f"--help printed noise: {proc.stderr[:500]}"
+    print(f"{recipe} --help: {seconds:.2f} s")
