@@ -78,7 +78,8 @@ def test_the_accelerator_is_built_in_the_recipe(recipe):
     for kwarg in VISIBLE:
         assert kwarg in call, f"{recipe}: Accelerator(...) lacks {kwarg}"
     # The rule table runs before it, and the post-construction checks right after it.
-    assert source.index("resolve_launch(args, RECIPE") < source.index("Accelerator(") < source.index("start_run(")
+    checked = re.search(r"resolve_launch\(\s*args, RECIPE", source)
+    assert checked and checked.start() < source.index("Accelerator(") < source.index("start_run(")
     assert re.search(r"^def add_args\(", source, re.M), "the per-recipe flag hook is add_args in every recipe"
 
 
@@ -106,3 +107,42 @@ def test_help_keeps_the_docstring_and_shows_every_default(recipe):
     assert not missing, f"flags whose default --help does not show: {missing}"
     assert not proc.stderr.strip(), f"--help printed noise: {proc.stderr[:500]}"
     print(f"{recipe} --help: {seconds:.2f} s")
+
+
+def test_known_noise_is_silenced_and_nothing_else(capsys):
+    """Each silenced message is dropped by logger and text; a different message on the same logger still shows."""
+    import logging
+
+    from shared.quiet import _LOG_RECORDS, silence_known_noise
+
+    silence_known_noise()
+    silence_known_noise()  # idempotent: one filter per rule
+    handler = logging.StreamHandler()
+    for name, pattern, _why in _LOG_RECORDS:
+        logger = logging.getLogger(name)
+        assert sum(getattr(f, "pattern", None) is not None and f.pattern.pattern == pattern
+                   for f in logger.filters) == 1
+        logger.addHandler(handler)
+        try:
+            sample = pattern.lstrip("^").replace(".*", " x ").replace("(mxfp8|cutlass_90a)", "mxfp8")
+            logger.warning(sample)  # matches the rule: dropped
+            logger.warning("something else went wrong in %s", name)  # must still show
+        finally:
+            logger.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert err.count("something else went wrong") == len(_LOG_RECORDS)
+    for name, pattern, _why in _LOG_RECORDS:
+        assert not any(__import__("re").search(pattern, line) for line in err.splitlines()), (name, err)
+
+
+@pytest.mark.slow
+def test_a_4bit_run_prints_none_of_the_known_noise(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "qlora.py"), "--max_train_steps", "1",
+                           "--report_to", "none", "--no_save_model", "--output_dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    for noise in ("Setting accelerator to CPU", "_C_mxfp8", "Detected no triton", "is an Enum subclass",
+                  "gemm_4bit_forward", "fan_in_fan_out is set to False"):
+        assert noise not in out, noise
