@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 from shared.args import parse_args
 from shared.checkpoint import checkpoint_per_process, maybe_save_checkpoint, resume
 from shared.data import endless_batches
+from shared.guard import DivergenceGuard
 from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.models import transformer_layers
@@ -46,6 +47,7 @@ from shared.pipeline_stages import (
     summed_loss,
     tied_weight,
 )
+from shared.preflight import stop_if_preflight
 from shared.results import collect_results, write_results
 from shared.tasks import load_task
 
@@ -118,7 +120,9 @@ def main(argv=None) -> dict:
     checkpoint_per_process(accelerator, stage, optimizer, scheduler)  # each process saves its own stage
     start_step, consumed = resume(accelerator, args)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    stop_if_preflight(accelerator, args, task, stage, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, stage, optimizer)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
 
     stage.train()
     for step in meter.steps(start_step, max_steps):
@@ -149,6 +153,7 @@ def main(argv=None) -> dict:
         dist.all_reduce(loss, group=dp_group)  # each replica's share of the global loss
         dist.broadcast(loss, src=int(mesh.mesh[dp_rank, -1]), group=pp_group)
         meter.record(step, loss, batch if stage.is_last else [])  # each sample counted once
+        guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
         maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
 

@@ -24,9 +24,11 @@ from accelerate.utils import DistributedDataParallelKwargs, gather_object
 from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
+from shared.guard import DivergenceGuard
 from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.optim import optimizer_and_scheduler, total_steps
+from shared.preflight import stop_if_preflight
 from shared.results import finish
 from shared.tasks import load_task
 
@@ -77,7 +79,9 @@ def main(argv=None) -> dict:
     )
     start_step, consumed = resume(accelerator, args)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, model, optimizer)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
 
     model.train()
     for step in meter.steps(start_step, max_steps):
@@ -93,6 +97,7 @@ def main(argv=None) -> dict:
         optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
+        guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
         maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
 

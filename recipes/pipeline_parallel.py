@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 from shared.args import parse_args
 from shared.checkpoint import checkpoint_per_process, maybe_save_checkpoint, resume
 from shared.data import endless_batches
+from shared.guard import DivergenceGuard
 from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.models import transformer_layers
@@ -45,6 +46,7 @@ from shared.pipeline_stages import (
     summed_loss,
     tied_weight,
 )
+from shared.preflight import stop_if_preflight
 from shared.results import collect_results, write_results
 from shared.tasks import load_task
 
@@ -115,7 +117,9 @@ def main(argv=None) -> dict:
     checkpoint_per_process(accelerator, stage, optimizer, scheduler)  # each process saves its own stage
     start_step, consumed = resume(accelerator, args)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    stop_if_preflight(accelerator, args, task, stage, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, stage, optimizer)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
 
     stage.train()
     for step in meter.steps(start_step, max_steps):
@@ -139,6 +143,7 @@ def main(argv=None) -> dict:
         dist.broadcast(loss, src=world - 1)  # the last stage computed it; every process logs it
         # Each sample passes through every stage once: count it on the last stage only.
         meter.record(step, loss, batch if stage.is_last else [])
+        guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
         maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
 

@@ -27,10 +27,12 @@ from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.deepspeed_setup import gathered_parameters
+from shared.guard import DivergenceGuard
 from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.models import AUTO_CLASSES
 from shared.optim import optimizer_and_scheduler, total_steps
+from shared.preflight import stop_if_preflight
 from shared.quant import HEAD_NAMES, head_names, lora_grad_report, quantized_weight_bytes
 from shared.results import finish
 from shared.tasks import load_task
@@ -146,7 +148,9 @@ def main(argv=None) -> dict:
     )
     start_step, consumed = resume(accelerator, args)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, model, optimizer)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
     grad_checks = []
 
     model.train()
@@ -164,6 +168,7 @@ def main(argv=None) -> dict:
         optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
+        guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
         maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
 

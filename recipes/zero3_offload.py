@@ -28,9 +28,11 @@ from shared.deepspeed_setup import (
     resolve_deepspeed_config,
     schedule_the_optimizer_that_steps,
 )
+from shared.guard import DivergenceGuard
 from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
 from shared.optim import optimizer_and_scheduler, total_steps
+from shared.preflight import stop_if_preflight
 from shared.results import finish
 from shared.tasks import load_task
 
@@ -102,7 +104,9 @@ def main(argv=None) -> dict:
     start_step, consumed = resume(accelerator, args)
     k = args.gradient_accumulation_steps
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, model, optimizer)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
     meter.extras.update(deepspeed_summary(accelerator, model))
     count_model_states_at_first_step(meter, model, optimizer)  # ZeRO frees gradients inside its step
 
@@ -124,6 +128,7 @@ def main(argv=None) -> dict:
         optimizer.step()  # no-ops under DeepSpeed, kept so the loop reads like every other recipe
         scheduler.step()
         meter.record(step, step_loss, window)
+        guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
         maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=(step + 1) * k)
 

@@ -173,8 +173,6 @@ def observe_compute_dtype(model: nn.Module) -> Callable[[], str | None]:
 
 
 # ---------------------------------------------------------------- the training-loop meter
-MIN_LOSS_SCALE = 1.0  # from 2**16, 17 overflows in a row
-MOST_SKIPPED_WINDOW = 50
 
 
 class Meter:
@@ -191,20 +189,13 @@ class Meter:
         self.last_loss: float | None = None
         self.state: dict[str, int] | None = None
         self.extras: dict[str, object] = {}
-        self.skipped_history: list[bool] = []
+        self.step_loss: torch.Tensor | None = None  # the last recorded step's loss (shared/guard.py checks it)
         self.memory_trace: list[int] = []  # this process's memory at each logging step: growth means a leak
         self._read_dtype = observe_compute_dtype(model)
         self._warmup = True
 
     def steps(self, start: int, stop: int) -> Iterator[int]:
-        """Optimizer steps start..stop-1. The first step of a run is warm-up and is left out of the timing.
-
-        With --preflight, the resolved configuration is reported here, after prepare(), and the run stops.
-        """
-        if self.args.preflight:
-            from .preflight import report
-
-            report(self.accelerator, self.args, self.task, self.model, self.optimizer)
+        """Optimizer steps start..stop-1. The first step of a run is warm-up and is left out of the timing."""
         bar = tqdm(range(start, stop), initial=start, total=stop, desc="train",
                    disable=not self.accelerator.is_local_main_process, dynamic_ncols=True)
         reset_peak_memory(self.accelerator.device)
@@ -235,39 +226,10 @@ class Meter:
             self.tokens += sum(self.task.tokens_in(b) for b in batches)
         if self.state is None:
             self.state = state_bytes(self.model, self.optimizer)
-        self._guard(step + 1, loss)
-        self.window.append(loss.detach().float())
+        self.step_loss = loss.detach().float()
+        self.window.append(self.step_loss)
         if len(self.window) >= self.args.logging_steps or step + 1 == self.bar.total:
             self._log(step + 1)
-
-    def _guard(self, step: int, loss: torch.Tensor) -> None:
-        """Stop on a non-finite loss, or on an fp16 loss scale that collapsed, with the state saved."""
-        acc = self.accelerator
-        if acc.mixed_precision == "fp16":
-            # Under fp16 an inf loss is an overflow that the scaler skips; what must not happen is the scale
-            # collapsing, or most steps being skipped: fp16's range is then too narrow for this model.
-            if acc.scaler is None:
-                return
-            self.skipped_history.append(bool(getattr(self.optimizer, "step_was_skipped", False)))
-            recent = self.skipped_history[-MOST_SKIPPED_WINDOW:]
-            scale = acc.scaler.get_scale()
-            if scale < MIN_LOSS_SCALE or (len(recent) == MOST_SKIPPED_WINDOW and sum(recent) > len(recent) // 2):
-                self._stop(step, f"fp16 loss scale collapsed to {scale:g} ({sum(recent)} of the last {len(recent)} "
-                           "steps skipped for overflow): fp16's range is too narrow for this model. "
-                           "Use --mixed_precision bf16 (same memory, fp32's range), or fp32")
-            return
-        bad = torch.tensor(0.0 if torch.isfinite(loss.detach()).all() else 1.0, device=acc.device)
-        if acc.num_processes > 1:
-            bad = acc.reduce(bad, "max")  # every process stops together, or the others would hang
-        if bad.item():
-            self._stop(step, f"the loss is not finite at step {step}. Lower --learning_rate, keep --max_grad_norm "
-                       "on, and check the data for bad values")
-
-    def _stop(self, step: int, reason: str) -> None:
-        path = Path(self.args.output_dir) / f"diverged_step_{step:08d}"
-        self.accelerator.save_state(str(path))
-        self.accelerator.end_training()
-        raise SystemExit(f"Stopped: {reason}. The training state at step {step} is saved in {path}.")
 
     def _log(self, step: int) -> None:
         mean = self.accelerator.reduce(torch.stack(self.window).mean().to(self.accelerator.device), "mean").item()

@@ -61,6 +61,16 @@ def _memory_estimate(recipe: str, accelerator, args, model) -> dict:
             "available_bytes_per_process": int(free), "fits": bool(need <= free)}
 
 
+def stop_if_preflight(accelerator, args, task, model, optimizer) -> None:
+    """With --preflight: report the resolved run and end it before its first step. Otherwise nothing.
+
+    Called by the recipe after prepare() (DeepSpeed fills its "auto" values there) and resume() (a checkpoint that
+    cannot be loaded is refused by the preflight too). The planner is imported by the report only, never in training.
+    """
+    if args.preflight:
+        report(accelerator, args, task, model, optimizer)
+
+
 def report(accelerator, args, task, model, optimizer) -> None:
     """Print and save the resolved configuration, then end the run before its first step (exit code 0, or 3 when
     the memory estimate does not fit)."""

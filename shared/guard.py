@@ -1,0 +1,76 @@
+"""Ends a run that diverged, with its training state saved and the cause and fix named.
+
+The meter measures each step; this decides whether training may go on. `check(step)`, called by the recipe right
+after `meter.record(step, ...)` (after optimizer.step(), before zero_grad), looks at the loss the meter recorded:
+- fp32 / bf16: the loss must be finite on every process (a max-reduce, so all processes stop together and none
+  waits on a collective the others left).
+- fp16: an inf loss is an overflow that the scaler skips; what stops the run is the scale collapsing below
+  MIN_LOSS_SCALE, or most of the last MOST_SKIPPED_WINDOW steps being skipped: fp16's range is too narrow.
+On a stop, accelerator.save_state writes the whole training state as it is after step N's update (model, optimizer,
+scheduler, scaler, RNG) to <output_dir>/diverged_step_N, N = optimizer steps taken, and SystemExit says why.
+
+Each check reads one flag on the host (and all-reduces it with several processes): a blocking sync every step. A
+deferred check (the previous step's flag, or one folded into the meter's logging reduce) would change this module
+alone; it would also change which step's state is saved, so the docstring above must say so then.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .meter import Meter
+
+MIN_LOSS_SCALE = 1.0  # from 2**16, 17 overflows in a row
+MOST_SKIPPED_WINDOW = 50
+
+
+class DivergenceGuard:
+    """Stops on a non-finite loss, or on an fp16 loss scale that collapsed, with the state saved."""
+
+    def __init__(self, meter: Meter):
+        self.meter = meter  # the accelerator, args and optimizer of the run, and the loss it recorded last
+        self.skipped_history: list[bool] = []
+
+    def check(self, step: int) -> None:
+        """After meter.record(step, ...): raise SystemExit, the state saved, if optimizer step `step` diverged."""
+        acc, done = self.meter.accelerator, step + 1
+        if acc.mixed_precision == "fp16":
+            reason = self._fp16_collapse()
+        else:
+            reason = self._non_finite_loss(done)
+        if reason:
+            self._stop(done, reason)
+
+    def _fp16_collapse(self) -> str | None:
+        scaler = self.meter.accelerator.scaler
+        if scaler is None:
+            return None
+        self.skipped_history.append(bool(getattr(self.meter.optimizer, "step_was_skipped", False)))
+        recent = self.skipped_history[-MOST_SKIPPED_WINDOW:]
+        scale = scaler.get_scale()
+        if scale < MIN_LOSS_SCALE or (len(recent) == MOST_SKIPPED_WINDOW and sum(recent) > len(recent) // 2):
+            return (f"fp16 loss scale collapsed to {scale:g} ({sum(recent)} of the last {len(recent)} steps skipped "
+                    "for overflow): fp16's range is too narrow for this model. Use --mixed_precision bf16 (same "
+                    "memory, fp32's range), or fp32")
+        return None
+
+    def _non_finite_loss(self, step: int) -> str | None:
+        acc = self.meter.accelerator
+        bad = torch.tensor(0.0 if torch.isfinite(self.meter.step_loss).all() else 1.0, device=acc.device)
+        if acc.num_processes > 1:
+            bad = acc.reduce(bad, "max")  # every process stops together, or the others would hang
+        if bad.item():
+            return (f"the loss is not finite at step {step}. Lower --learning_rate, keep --max_grad_norm on, and "
+                    "check the data for bad values")
+        return None
+
+    def _stop(self, step: int, reason: str) -> None:
+        acc = self.meter.accelerator
+        path = Path(self.meter.args.output_dir) / f"diverged_step_{step:08d}"
+        acc.save_state(str(path))
+        acc.end_training()
+        raise SystemExit(f"Stopped: {reason}. The training state at step {step} is saved in {path}.")
