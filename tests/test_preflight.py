@@ -35,3 +35,13 @@ def test_preflight_command_resolves_a_launch_config(tmp_path):
     resolved = json.loads((tmp_path / "preflight.json").read_text())
     assert (resolved["distributed_type"], resolved["num_processes"]) == ("MULTI_CPU", 2)
     assert '"distributed_type": "MULTI_CPU"' in proc.stdout
+
+
+def test_training_does_not_import_the_planner(tmp_path):
+    """The planner serves the preflight report: a training run (2 steps of the baseline) never imports it."""
+    code = (f"import sys; from tests.conftest import run_recipe; run_recipe('baseline', {str(tmp_path)!r}, "
+            "'--max_train_steps', 2, '--max_eval_samples', 16, '--no_save_model'); "
+            "assert 'shared.plan' not in sys.modules, 'shared.plan imported by training'; print('trained')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr[-3000:]
