@@ -36,12 +36,11 @@ from shared.meter import Meter
 from shared.models import AUTO_CLASSES
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.preflight import stop_if_preflight
-from shared.quant import HEAD_NAMES, head_names, quantized_weight_bytes
+from shared.quant import COMPUTE_DTYPES, HEAD_NAMES, head_names, quantized_weight_bytes
 from shared.results import finish
 from shared.tasks import load_task
 
 RECIPE = "combined"
-DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_args(p):
@@ -111,7 +110,7 @@ def main(argv=None) -> dict:
         bnb_config = BitsAndBytesConfig(
             load_in_4bit=args.load_in == "4bit", load_in_8bit=args.load_in == "8bit",
             bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=DTYPES[accelerator.mixed_precision], bnb_4bit_quant_storage=storage,
+            bnb_4bit_compute_dtype=COMPUTE_DTYPES[accelerator.mixed_precision], bnb_4bit_quant_storage=storage,
             llm_int8_skip_modules=list(HEAD_NAMES))  # task heads stay in full precision
         task.model = AUTO_CLASSES[args.task].from_pretrained(
             base_dir, config=task.model.config, quantization_config=bnb_config,

@@ -33,12 +33,11 @@ from shared.meter import Meter
 from shared.models import AUTO_CLASSES
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.preflight import stop_if_preflight
-from shared.quant import HEAD_NAMES, head_names, lora_grad_report, quantized_weight_bytes
+from shared.quant import COMPUTE_DTYPES, HEAD_NAMES, head_names, lora_grad_report, quantized_weight_bytes
 from shared.results import finish
 from shared.tasks import load_task
 
 RECIPE = "qlora"
-DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_args(p):
@@ -103,7 +102,7 @@ def main(argv=None) -> dict:
     del task.model
 
     # The technique, part 1: load the base quantized by bitsandbytes, frozen, one whole copy per process.
-    compute_dtype = DTYPES[accelerator.mixed_precision]  # the dtype the dequantized matmuls run in
+    compute_dtype = COMPUTE_DTYPES[accelerator.mixed_precision]  # the dtype the dequantized matmuls run in
     bnb_config = BitsAndBytesConfig(
         load_in_4bit=args.bits == 4,
         load_in_8bit=args.bits == 8,

@@ -85,7 +85,6 @@ KNOWN_CONFIGS: dict[str, tuple[str, dict]] = {
 TASK_OF_MODEL_TYPE = {"gpt2": "causal-lm", "bert": "text-classification", "vit": "image-classification"}
 # PEFT's default LoRA target modules for these families (peft.utils.constants).
 LORA_TARGETS = {"bert": ("query", "value"), "gpt2": ("c_attn",), "vit": ("query", "value")}
-HEAD_NAMES = ("lm_head", "classifier", "score")
 
 
 def builtin_vocab_size(task: str, preset: str) -> int:
@@ -150,6 +149,7 @@ def model_spec(config, task: str, name: str, disable_dropout: bool = False) -> M
     from transformers.pytorch_utils import Conv1D
 
     from .models import AUTO_CLASSES, transformer_layers
+    from .quant import HEAD_NAMES
 
     with torch.device("meta"):
         model = AUTO_CLASSES[task].from_config(config)

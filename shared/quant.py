@@ -1,5 +1,6 @@
-"""Measurements the quantization and pruning recipes share: bytes of quantized weights, size on disk, LoRA gradients,
-sparsity. The techniques themselves (BitsAndBytesConfig, get_peft_model, QATConfig, prune calls) stay in the recipes."""
+"""What the quantization and pruning recipes share: the layers left in full precision, the dtype dequantized weights
+compute in, and measurements (bytes of quantized weights, size on disk, LoRA gradients, sparsity). The techniques
+themselves (BitsAndBytesConfig, get_peft_model, QATConfig, prune calls) stay in the recipes."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-# Task heads are new, randomly initialised layers: they train in full precision, never quantized or pruned.
+# Task heads are new, randomly initialised layers: they train in full precision, never quantized or pruned. The
+# planner (shared/plan.py) counts the same modules as the ones bitsandbytes leaves unquantized.
 HEAD_NAMES = ("classifier", "score", "lm_head")
+# Accelerate's mixed_precision -> the dtype a run computes in: bitsandbytes dequantizes to it (bnb_4bit_compute_dtype).
+COMPUTE_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def head_names(model: nn.Module) -> list[str]:
