@@ -26,9 +26,12 @@ from shared.compat import offload_of, sharding_of
 from shared.data import endless_batches
 from shared.deepspeed_setup import (
     add_deepspeed_args,
+    count_model_states_at_first_step,
     deepspeed_summary,
     gathered_parameters,
     resolve_deepspeed_config,
+    schedule_the_optimizer_that_steps,
+    zero_config,
 )
 from shared.guard import DivergenceGuard
 from shared.launch import resolve_launch, start_run
@@ -61,13 +64,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     ds_config = plugin = None
     if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # the launch config chose DeepSpeed: settings resolved
-        ds_config = resolve_deepspeed_config(args, {          # and checked as in recipes/zero.py
-            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto",
-            "zero_optimization": {"stage": int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2)),
-                                  "stage3_gather_16bit_weights_on_model_save": True,
-                                  "stage3_param_persistence_threshold": "auto",
-                                  "stage3_prefetch_bucket_size": "auto", "reduce_bucket_size": "auto"}})
+        stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))  # and checked as in recipes/zero.py
+        ds_config = resolve_deepspeed_config(args, zero_config(stage))  # offload: the launch config's
         stage3 = ds_config["zero_optimization"]["stage"] == 3
         # zero.Init builds a full-precision model already partitioned; a quantized one is loaded whole, then split.
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=stage3 and args.load_in == "full")
@@ -138,6 +136,8 @@ def main(argv=None) -> dict:
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
+    if plugin is not None:
+        schedule_the_optimizer_that_steps(model, scheduler)  # else, after a resume with offload, the LR freezes
     start_step, consumed = resume(accelerator, args)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
@@ -145,6 +145,7 @@ def main(argv=None) -> dict:
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
     if plugin is not None:
         meter.extras.update(deepspeed_summary(accelerator, model))
+        count_model_states_at_first_step(meter, model, optimizer)  # ZeRO frees gradients inside its step
 
     model.train()
     for step in meter.steps(start_step, max_steps):

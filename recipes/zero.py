@@ -27,6 +27,7 @@ from shared.deepspeed_setup import (
     deepspeed_summary,
     resolve_deepspeed_config,
     schedule_the_optimizer_that_steps,
+    zero_config,
 )
 from shared.guard import DivergenceGuard
 from shared.launch import resolve_launch, start_run
@@ -49,20 +50,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # The recipe's DeepSpeed settings; "auto" ones are filled from the flags. An accelerate config or a DeepSpeed
     # JSON overrides them, and explicit values that disagree stop the run here, before anything is built.
-    ds_config = resolve_deepspeed_config(args, {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "zero_optimization": {
-            "stage": args.zero_stage,
-            "stage3_gather_16bit_weights_on_model_save": True,  # save_model gathers one consolidated model
-            # "auto": sized from hidden_size. DeepSpeed's default threshold (1e5) would keep every tensor of a
-            # small model whole on every process.
-            "stage3_param_persistence_threshold": "auto",
-            "stage3_prefetch_bucket_size": "auto",
-            "reduce_bucket_size": "auto",
-        },
-    })
+    ds_config = resolve_deepspeed_config(args, zero_config(args.zero_stage))
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config,
                              # ZeRO-3: build the model under zero.Init, so no process ever holds all of it.
                              zero3_init_flag=ds_config["zero_optimization"]["stage"] == 3)

@@ -27,6 +27,7 @@ from shared.deepspeed_setup import (
     deepspeed_summary,
     resolve_deepspeed_config,
     schedule_the_optimizer_that_steps,
+    zero_config,
 )
 from shared.guard import DivergenceGuard
 from shared.launch import resolve_launch, start_run
@@ -45,34 +46,20 @@ def add_args(group):
     add_deepspeed_args(group)
 
 
-def offload(device: str, **nvme_settings) -> dict:
-    return {"device": device, **(nvme_settings if device == "nvme" else {})}
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # The recipe's DeepSpeed settings; "auto" ones are filled from the flags. An accelerate config or a DeepSpeed
     # JSON overrides them, and explicit values that disagree stop the run here, before anything is built.
-    ds_config = resolve_deepspeed_config(args, {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "zero_optimization": {
-            "stage": 3,
-            # NVMe buffers: DeepSpeed's default (1e8 elements x 5) costs ~2.5 GB of RAM per process. Each buffer
-            # must hold the largest parameter partition: raise buffer_size for large embeddings.
-            "offload_optimizer": offload(args.offload, buffer_count=4),
-            "offload_param": offload(args.offload, buffer_count=5, buffer_size=int(2e7), max_in_cpu=0),
-            "stage3_gather_16bit_weights_on_model_save": True,  # save_model gathers one consolidated model
-            # "auto": sized from hidden_size. DeepSpeed's default threshold (1e5) would keep every tensor of a
-            # small model whole on every process.
-            "stage3_param_persistence_threshold": "auto",
-            "stage3_prefetch_bucket_size": "auto",
-            "reduce_bucket_size": "auto",
-        },
+    ds_config = zero_config(3, offload=args.offload)  # optimizer state and parameters offloaded
+    if args.offload == "nvme":
+        zero = ds_config["zero_optimization"]
+        # NVMe buffers: DeepSpeed's default (1e8 elements x 5) costs ~2.5 GB of RAM per process. Each buffer must
+        # hold the largest parameter partition: raise buffer_size for large embeddings.
+        zero["offload_optimizer"]["buffer_count"] = 4
+        zero["offload_param"].update(buffer_count=5, buffer_size=int(2e7), max_in_cpu=0)
         # DeepSpeed's NVMe I/O (async_io): 1 MiB blocks, a queue deep enough for a local SSD.
-        "aio": {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True},
-    })
+        ds_config["aio"] = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}
+    ds_config = resolve_deepspeed_config(args, ds_config)
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config,
                              # ZeRO-3: build the model under zero.Init, so no process ever holds all of it.
                              zero3_init_flag=ds_config["zero_optimization"]["stage"] == 3)

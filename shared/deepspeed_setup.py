@@ -93,6 +93,32 @@ def _json_precision(config: dict) -> str | None:
     return None
 
 
+def zero_config(stage: int, offload: str | None = None) -> dict:
+    """A recipe's own DeepSpeed settings for ZeRO `stage`, the base resolve_deepspeed_config merges the flags, the
+    accelerate config and a DeepSpeed JSON into. "auto" values are filled from the flags, or by DeepSpeed at prepare().
+
+    offload: None leaves it to the launch config; "none" / "cpu" / "nvme" sets where the optimizer state and, under
+    ZeRO-3, the parameters live between uses.
+    """
+    zero: dict = {
+        "stage": stage,
+        "stage3_gather_16bit_weights_on_model_save": True,  # save_model gathers one consolidated model
+        # "auto": sized from hidden_size. DeepSpeed's default threshold (1e5) would keep every tensor of a
+        # small model whole on every process.
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "reduce_bucket_size": "auto",
+    }
+    config: dict = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                    "gradient_clipping": "auto", "zero_optimization": zero}
+    if offload is None:
+        return config
+    zero["offload_optimizer"] = {"device": offload}
+    if stage == 3:
+        zero["offload_param"] = {"device": offload}
+    return config
+
+
 def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> dict:
     """The DeepSpeed config this run trains with. Stops (SystemExit) on any disagreement, naming both sources.
 
