@@ -4,12 +4,12 @@ in backward. Activation memory then grows with one block instead of all of them,
 --checkpointing_impl hf     HF models: model.gradient_checkpointing_enable(), non-reentrant.
 --checkpointing_impl torch  torch.utils.checkpoint around each block: how to do it for any custom nn.Module.
 Before training, one step on the same batch with and without checkpointing measures what it saves and costs: the
-bytes autograd keeps for backward, the time ratio, and the largest gradient difference (0 up to float rounding).
+bytes autograd keeps for backward, the time ratio, and the largest gradient difference (0 up to float rounding);
+the probe is shared/meter.py's checkpointing_probe.
     accelerate launch recipes/activation_checkpointing.py --task causal-lm --max_seq_length 128
 """
 
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.guard import DivergenceGuard
 from shared.launch import resolve_launch, start_run
-from shared.meter import Meter, saved_activation_bytes
+from shared.meter import Meter, checkpointing_probe
 from shared.models import transformer_layers
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.preflight import stop_if_preflight
@@ -74,38 +74,6 @@ def disable_checkpointing(model: nn.Module, impl: str) -> None:
             layers[i] = block.block
 
 
-def measure_step(task, model: nn.Module, batch: dict) -> tuple[int, float, list[torch.Tensor]]:
-    """Saved-for-backward bytes, seconds (best of 3) and gradients of one forward + backward, same RNG each time."""
-    best = float("inf")
-    for _ in range(3):
-        model.zero_grad(set_to_none=True)
-        with torch.random.fork_rng(devices=[]), saved_activation_bytes(model) as saved:
-            torch.manual_seed(0)  # the same dropout masks with and without checkpointing
-            t0 = time.perf_counter()
-            task.loss(model, batch).backward()
-            best = min(best, time.perf_counter() - t0)
-    grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
-    model.zero_grad(set_to_none=True)
-    return saved["bytes"], best, grads
-
-
-def compare_one_step(task, device, impl: str) -> dict:
-    model = task.model.to(device).train()
-    batch = {k: v.to(device) for k, v in next(iter(task.train_dataloader)).items()}
-    plain_bytes, plain_s, plain_grads = measure_step(task, model, batch)
-    enable_checkpointing(model, impl)
-    ckpt_bytes, ckpt_s, ckpt_grads = measure_step(task, model, batch)
-    disable_checkpointing(model, impl)
-    return {
-        "activation_bytes_without_checkpointing": plain_bytes,
-        "activation_bytes_with_checkpointing": ckpt_bytes,
-        "activation_bytes_saved": plain_bytes - ckpt_bytes,
-        "step_time_ratio_vs_no_checkpointing": ckpt_s / plain_s,
-        "max_abs_grad_diff_vs_no_checkpointing": max(
-            (a - b).abs().max().item() for a, b in zip(plain_grads, ckpt_grads, strict=True)),
-    }
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
@@ -125,9 +93,11 @@ def main(argv=None) -> dict:
     start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(args, accelerator)
 
-    # What checkpointing saves and costs, measured on one batch without and with it.
-    probe_results = {} if args.no_probe else compare_one_step(task, accelerator.device, args.checkpointing_impl)
-    enable_checkpointing(task.model, args.checkpointing_impl)
+    # What checkpointing saves and costs, measured on one batch without and with it (shared/meter.py).
+    impl = args.checkpointing_impl
+    probe = {} if args.no_probe else checkpointing_probe(
+        task, accelerator.device, lambda m: enable_checkpointing(m, impl), lambda m: disable_checkpointing(m, impl))
+    enable_checkpointing(task.model, impl)
     max_steps = total_steps(args, accelerator, task.train_dataloader)
     optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
 
@@ -157,8 +127,8 @@ def main(argv=None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
 
-    disable_checkpointing(accelerator.unwrap_model(model), args.checkpointing_impl)
-    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=probe_results)
+    disable_checkpointing(accelerator.unwrap_model(model), impl)
+    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=probe)
 
 
 if __name__ == "__main__":

@@ -148,6 +148,44 @@ def saved_activation_bytes(model: nn.Module) -> Iterator[dict[str, int]]:
         yield out
 
 
+def _one_step(task, model: nn.Module, batch: dict) -> tuple[int, float, list[torch.Tensor]]:
+    """Saved-for-backward bytes, seconds (best of 3) and gradients of one forward + backward, same RNG each time."""
+    best = float("inf")
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with torch.random.fork_rng(devices=[]), saved_activation_bytes(model) as saved:
+            torch.manual_seed(0)  # the same dropout masks with and without checkpointing
+            t0 = time.perf_counter()
+            task.loss(model, batch).backward()
+            best = min(best, time.perf_counter() - t0)
+    grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return saved["bytes"], best, grads
+
+
+def checkpointing_probe(task, device: torch.device, enable: Callable[[nn.Module], object],
+                        disable: Callable[[nn.Module], object]) -> dict[str, float]:
+    """What activation checkpointing saves and costs on one batch of task.model, before prepare(): saved-for-backward
+    bytes without and with it, the step-time ratio, and the largest gradient difference (0 up to float rounding).
+
+    `enable` / `disable` are the recipe's own switches; the model is left without checkpointing, on `device`.
+    """
+    model = task.model.to(device).train()
+    batch = {k: v.to(device) for k, v in next(iter(task.train_dataloader)).items()}
+    plain_bytes, plain_s, plain_grads = _one_step(task, model, batch)
+    enable(model)
+    ckpt_bytes, ckpt_s, ckpt_grads = _one_step(task, model, batch)
+    disable(model)
+    return {
+        "activation_bytes_without_checkpointing": plain_bytes,
+        "activation_bytes_with_checkpointing": ckpt_bytes,
+        "activation_bytes_saved": plain_bytes - ckpt_bytes,
+        "step_time_ratio_vs_no_checkpointing": ckpt_s / plain_s,
+        "max_abs_grad_diff_vs_no_checkpointing": max(
+            (a - b).abs().max().item() for a, b in zip(plain_grads, ckpt_grads, strict=True)),
+    }
+
+
 def observe_compute_dtype(model: nn.Module) -> Callable[[], str | None]:
     """The dtype the first Linear layer really computes in (autocast included); read it after a forward.
 
