@@ -164,7 +164,6 @@ def main(argv=None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
 
-    meter.extras.setdefault("optimizer_class", type(optimizer.optimizer).__name__)  # DeepSpeed's: set above
     extras = {"sharding": sharding_of(accelerator), "offload": offload_of(accelerator), "lora": args.lora,
               "gradient_checkpointing": args.gradient_checkpointing, "load_in": args.load_in,
               **quantized_weight_bytes(model),  # ZeRO-3 numels live in ds_numel: its parameters are partitioned

@@ -104,7 +104,6 @@ def main(argv=None) -> dict:
     # What was really 8-bit: state1 is uint8 for 8-bit tensors, float32 for the small ones.
     states = [s for s in optimizer.optimizer.state.values() if "state1" in s]
     extras = {
-        "optimizer": optim_cls.__name__,
         "tensors_with_8bit_state": sum(s["state1"].dtype == torch.uint8 for s in states),
         "tensors_with_32bit_state": sum(s["state1"].dtype != torch.uint8 for s in states),
         "paged_state_buffers": sum(getattr(s["state1"], "is_paged", False) for s in states),

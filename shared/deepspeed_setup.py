@@ -276,7 +276,6 @@ def deepspeed_summary(accelerator, model: torch.nn.Module) -> dict[str, object]:
         "zero_stage": model.zero_optimization_stage(),
         "offload_optimizer_device": (zero.get("offload_optimizer") or {}).get("device", "none"),
         "offload_param_device": (zero.get("offload_param") or {}).get("device", "none"),
-        "optimizer_class": type(model.optimizer.optimizer).__name__,  # DeepSpeedCPUAdam under offload
         "param_device": str(accelerator.device),
         "deepspeed_gradient_accumulation_steps": model.gradient_accumulation_steps(),
         "deepspeed_gradient_clipping": model.gradient_clipping(),

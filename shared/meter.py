@@ -76,6 +76,17 @@ def state_bytes(model: nn.Module, optimizer: object | None = None) -> dict[str, 
     return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_state_bytes": opt_bytes}
 
 
+def stepping_optimizer(optimizer: object) -> object:
+    """The optimizer whose step() really updates the parameters, inside the wrappers: Accelerate's
+    AcceleratedOptimizer, and under DeepSpeed the ZeRO optimizer around the one that steps (DeepSpeedCPUAdam with
+    offload: Accelerate swaps it in for the recipe's AdamW)."""
+    seen = set()
+    while getattr(optimizer, "optimizer", None) is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def param_fingerprint(model: nn.Module) -> float:
     """A number that differs when this process's parameters differ: equal on every rank iff replicas are in sync.
 
@@ -300,6 +311,7 @@ class Meter:
             "train_samples_per_second": totals[0].item() / seconds,
             "train_tokens_per_second": totals[1].item() / seconds,
             "compute_dtype": self._read_dtype(),
+            "optimizer_class": type(stepping_optimizer(self.optimizer)).__name__,
             "memory_trace_bytes": self.memory_trace,
             **fields,
         }

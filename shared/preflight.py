@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from .meter import stepping_optimizer
+
 
 def _technique(recipe: str, accelerator):
     """The planner's model of this run, if it has one."""
@@ -94,7 +96,7 @@ def report(accelerator, args, task, model, optimizer) -> None:
         * accelerator.num_processes,
         "max_train_steps": args.max_train_steps,
         "learning_rate": args.learning_rate,
-        "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+        "optimizer": type(stepping_optimizer(optimizer)).__name__,
         "trainable_parameters_this_process": trainable,
         "deepspeed_config": getattr(getattr(accelerator.state, "deepspeed_plugin", None), "deepspeed_config", None),
         "fsdp_plugin": repr(getattr(accelerator.state, "fsdp_plugin", None)),
