@@ -30,10 +30,10 @@ from shared.deepspeed_setup import gathered_parameters
 from shared.guard import DivergenceGuard
 from shared.launch import resolve_launch, start_run
 from shared.meter import Meter
-from shared.models import AUTO_CLASSES
+from shared.models import AUTO_CLASSES, HEAD_NAMES
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.preflight import stop_if_preflight
-from shared.quant import COMPUTE_DTYPES, HEAD_NAMES, head_names, lora_grad_report, quantized_weight_bytes
+from shared.quant import COMPUTE_DTYPES, head_names, lora_grad_report, quantized_weight_bytes
 from shared.results import finish
 from shared.tasks import load_task
 

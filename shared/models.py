@@ -19,6 +19,10 @@ _AUTO_CLASS_NAMES = {
 }
 
 
+# Task heads: new, randomly initialised layers that train in full precision, never quantized or pruned.
+HEAD_NAMES = ("classifier", "score", "lm_head")
+
+
 def __getattr__(name: str) -> object:
     if name == "AUTO_CLASSES":  # {task: the transformers Auto class that builds its model}
         import transformers

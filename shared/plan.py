@@ -148,8 +148,7 @@ def model_spec(config, task: str, name: str, disable_dropout: bool = False) -> M
     from torch import nn
     from transformers.pytorch_utils import Conv1D
 
-    from .models import AUTO_CLASSES, transformer_layers
-    from .quant import HEAD_NAMES
+    from .models import AUTO_CLASSES, HEAD_NAMES, transformer_layers  # the heads bnb leaves unquantized
 
     with torch.device("meta"):
         model = AUTO_CLASSES[task].from_config(config)

@@ -1,4 +1,4 @@
-"""What the quantization and pruning recipes share: the layers left in full precision, the dtype dequantized weights
+"""What the quantization and pruning recipes share: which layers stay in full precision, the dtype dequantized weights
 compute in, and measurements (bytes of quantized weights, size on disk, LoRA gradients, sparsity). The techniques
 themselves (BitsAndBytesConfig, get_peft_model, QATConfig, prune calls) stay in the recipes."""
 
@@ -9,9 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-# Task heads are new, randomly initialised layers: they train in full precision, never quantized or pruned. The
-# planner (shared/plan.py) counts the same modules as the ones bitsandbytes leaves unquantized.
-HEAD_NAMES = ("classifier", "score", "lm_head")
+from .models import HEAD_NAMES
+
 # Accelerate's mixed_precision -> the dtype a run computes in: bitsandbytes dequantizes to it (bnb_4bit_compute_dtype).
 COMPUTE_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
