@@ -1,4 +1,5 @@
-"""What a run costs, measured: bytes on the live tensors, peak memory per process, time, and the dtype really used."""
+"""What a run costs, measured: bytes on live tensors, peak memory per process, time, the dtype and optimizer really
+used, and what activation checkpointing saves. It measures only: ending a run is shared/guard.py's job."""
 
 from __future__ import annotations
 
