@@ -15,18 +15,15 @@ types at validation (Accelerate 1.15), so this recipe builds the mesh itself and
 import sys
 from pathlib import Path
 
-from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import GradientAccumulationPlugin
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
-
 import torch
 import torch.distributed as dist
+from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.data_loader import prepare_data_loader
-from accelerate.utils import gather_object
+from accelerate.utils import GradientAccumulationPlugin, gather_object
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.args import parse_args
 from shared.checkpoint import checkpoint_per_process, maybe_save_checkpoint, resume
@@ -52,7 +49,7 @@ from shared.results import collect_results, write_results
 from shared.tasks import load_task
 
 RECIPE = "data_model_parallel"
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}  # classes of torch.distributed.pipelining
 
 
 def add_args(p):
@@ -68,7 +65,8 @@ def main(argv=None) -> dict:
         raise SystemExit("--per_device_train_batch_size must be a multiple of --n_microbatches, and "
                          "--gradient_accumulation_steps 1 (the micro-batches already accumulate).")
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
-    launch = resolve_launch(args, RECIPE)
+    launch = resolve_launch(args, RECIPE, stages_per_replica=args.pipeline_stages,
+                            flags={"stages_per_replica": "--pipeline_stages"})
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=args.mixed_precision,
@@ -82,12 +80,11 @@ def main(argv=None) -> dict:
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
     )
     start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    # The technique's library, imported once the launch is known to be valid: --help and a refused launch
+    # need not wait for its import (seconds).
+    from torch.distributed import pipelining
     world, device = accelerator.num_processes, accelerator.device
     stages = args.pipeline_stages
-    if stages < 2 or world % stages or world == stages:
-        raise SystemExit(f"{world} processes cannot form 2 or more replicas of {stages} stages (stages >= 2). Launch "
-                         f"a multiple of {stages} processes (e.g. --num_processes {2 * max(stages, 2)}), or use "
-                         "recipes/pipeline_parallel.py for one replica.")
     replicas = world // stages
     mesh = init_device_mesh(device.type, (replicas, stages), mesh_dim_names=("dp", "pp"))
     dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
@@ -107,11 +104,12 @@ def main(argv=None) -> dict:
 
     layers = split_layers(len(transformer_layers(task.model)), stages, args.layers_per_stage)[pp_rank]
     stage = Stage(task.model, layers, is_first=pp_rank == 0, is_last=pp_rank == stages - 1).to(device)
-    pipe = PipelineStage(stage, pp_rank, stages, device, group=pp_group)
+    pipe = pipelining.PipelineStage(stage, pp_rank, stages, device, group=pp_group)
     item_count = {}
     loss_fn = summed_loss(task.name)
-    schedule = SCHEDULES[args.schedule](pipe, n_microbatches=args.n_microbatches, scale_grads=False,
-                                        loss_fn=lambda out, y: loss_fn(out, y) / item_count["n"])
+    schedule_cls = getattr(pipelining, SCHEDULES[args.schedule])
+    schedule = schedule_cls(pipe, n_microbatches=args.n_microbatches, scale_grads=False,
+                            loss_fn=lambda out, y: loss_fn(out, y) / item_count["n"])
     tied = tied_weight(stage)
     tie_groups = [dist.new_group([int(mesh.mesh[d, 0]), int(mesh.mesh[d, -1])]) for d in range(replicas)]
 

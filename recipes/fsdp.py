@@ -13,13 +13,11 @@ On a CPU-only machine the same configs run over gloo (shared/fsdp_cpu.py makes A
 import sys
 from pathlib import Path
 
-from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate import Accelerator, DataLoaderConfiguration, FullyShardedDataParallelPlugin
 from accelerate.utils import GradientAccumulationPlugin
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
-
-from accelerate import FullyShardedDataParallelPlugin
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume

@@ -14,13 +14,11 @@ import logging
 import sys
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import GradientAccumulationPlugin
+from accelerate.utils import GradientAccumulationPlugin, send_to_device
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
-
-import torch
-from accelerate.utils import send_to_device
 
 from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume

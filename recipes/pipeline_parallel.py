@@ -15,17 +15,14 @@ optimizer and scheduler (shared/checkpoint.py checkpoint_per_process); resume wi
 import sys
 from pathlib import Path
 
-from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import GradientAccumulationPlugin
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
-
 import torch
 import torch.distributed as dist
+from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.data_loader import prepare_data_loader
-from accelerate.utils import gather_object
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from accelerate.utils import GradientAccumulationPlugin, gather_object
 from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.args import parse_args
 from shared.checkpoint import checkpoint_per_process, maybe_save_checkpoint, resume
@@ -51,7 +48,7 @@ from shared.results import collect_results, write_results
 from shared.tasks import load_task
 
 RECIPE = "pipeline_parallel"
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}  # classes of torch.distributed.pipelining
 
 
 def add_args(p):
@@ -84,6 +81,9 @@ def main(argv=None) -> dict:
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
     )
     start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    # The technique's library, imported once the launch is known to be valid: --help and a refused launch
+    # need not wait for its import (seconds).
+    from torch.distributed import pipelining
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     task = load_task(args, accelerator)  # the same seed on every process: each stage starts as the same model
 
@@ -101,13 +101,14 @@ def main(argv=None) -> dict:
     num_layers = len(transformer_layers(task.model))
     layers = split_layers(num_layers, world, args.layers_per_stage)[rank]
     stage = Stage(task.model, layers, is_first=rank == 0, is_last=rank == world - 1).to(device)
-    pipe = PipelineStage(stage, rank, world, device)
+    pipe = pipelining.PipelineStage(stage, rank, world, device)
     item_count = {}
     loss_fn = summed_loss(task.name)
     # Each micro-batch's summed loss is divided by the whole batch's item count, so the micro-batch gradients add
     # up to the batch gradient: scale_grads=False (the default divides them by n_microbatches once more).
-    schedule = SCHEDULES[args.schedule](pipe, n_microbatches=args.n_microbatches, scale_grads=False,
-                                        loss_fn=lambda out, y: loss_fn(out, y) / item_count["n"])
+    schedule_cls = getattr(pipelining, SCHEDULES[args.schedule])
+    schedule = schedule_cls(pipe, n_microbatches=args.n_microbatches, scale_grads=False,
+                            loss_fn=lambda out, y: loss_fn(out, y) / item_count["n"])
     # GPT-2's lm_head is its token embedding: the first and last stage each hold a copy, whose gradients are summed.
     tied = tied_weight(stage)
     tie_group = dist.new_group([0, world - 1])  # every process takes part in creating a group

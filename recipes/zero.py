@@ -12,11 +12,9 @@ import sys
 from pathlib import Path
 
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import GradientAccumulationPlugin
+from accelerate.utils import DeepSpeedPlugin, GradientAccumulationPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
-
-from accelerate.utils import DeepSpeedPlugin
 
 from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume

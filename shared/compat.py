@@ -73,6 +73,7 @@ class Run:
     optimizer: str = "adamw"  # adamw | adamw_8bit
     spread_devices: bool = False  # one model over several devices (device_map="auto")
     merge_unsaved: bool = False  # merge an adapter that is not saved
+    stages_per_replica: int = 0  # pipeline stages inside each data-parallel replica (0: no such mesh)
     flags: Mapping[str, str] = field(default_factory=dict)
 
     def flag(self, name: str) -> str:
@@ -145,6 +146,12 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda r: r.spread_devices and r.sharded_params,
          lambda r: f"{r.flag('spread_devices')} under {r.sharding}, which places the shards itself",
          lambda r: "drop the flag"),
+    Rule(lambda r: r.stages_per_replica > 0 and (r.stages_per_replica < 2 or r.num_processes % r.stages_per_replica
+                                                  or r.num_processes == r.stages_per_replica),
+         lambda r: f"{r.num_processes} processes cannot form 2 or more replicas of "
+                   f"{r.stages_per_replica} stages ({r.flag('stages_per_replica')} must be at least 2)",
+         lambda r: f"launch a multiple of {r.stages_per_replica} processes (e.g. --num_processes "
+                   f"{2 * max(r.stages_per_replica, 2)}), or use recipes/pipeline_parallel.py for one replica"),
     Rule(lambda r: r.merge_unsaved,
          lambda r: f"{r.flag('merge_unsaved')} merges the saved adapter, and --no_save_model skips saving it",
          lambda r: "drop one of them"),

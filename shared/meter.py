@@ -6,21 +6,27 @@ from __future__ import annotations
 import contextlib
 import re
 import resource
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 # ---------------------------------------------------------------- bytes on live tensors
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 / tensor-parallel shard's local piece; any other tensor as it is."""
+    # Only a run that shards imports torch.distributed.tensor (0.3 s of import the others, and --help, skip).
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
+
+
 def _storage(t: torch.Tensor) -> tuple[tuple, int] | None:
-    if isinstance(t, DTensor):  # an FSDP2 / tensor-parallel shard: count this process's local piece
-        t = t.to_local()
+    t = _local(t)  # a shard counts this process's local piece
     if t.device.type == "meta":
         return None
     s = t.untyped_storage()
@@ -41,8 +47,9 @@ def _walk(obj: object, path: str, seen_objs: set[int], depth: int = 0) -> Iterat
     elif isinstance(obj, (list, tuple, set)):
         for v in obj:
             yield from _walk(v, path, seen_objs, depth + 1)
+    # __package__: this core, under the name it was copied as (shared, or recipe_core in a copied-out recipe).
     elif type(obj).__module__.split(".")[0] in ("torch", "deepspeed", "bitsandbytes", "accelerate", "torchao",
-                                                "transformers", "peft", "shared", "__main__"):
+                                                "transformers", "peft", __package__, "__main__"):
         for k, v in getattr(obj, "__dict__", {}).items():
             yield from _walk(v, f"{path}.{k}", seen_objs, depth + 1)
 
@@ -96,7 +103,7 @@ def param_fingerprint(model: nn.Module) -> float:
     with torch.no_grad():
         total = torch.zeros((), dtype=torch.float64)
         for i, p in enumerate(model.parameters()):
-            local = (p.to_local() if isinstance(p, DTensor) else p).detach()
+            local = _local(p).detach()
             if type(local) is not torch.Tensor:  # quantized tensor subclasses (torchao) support few ops
                 continue
             if local.numel():

@@ -62,8 +62,9 @@ def test_resumes_every_stage_of_every_replica_exactly(tmp_path_factory, tmp_path
     assert diff <= 1e-6
 
 
-def test_refuses_a_mesh_that_does_not_fit(tmp_path):
+def test_refuses_a_mesh_that_does_not_fit(tmp_path, monkeypatch):
     from tests.conftest import run_recipe
 
-    with pytest.raises(SystemExit, match="cannot form 2 or more replicas"):
-        run_recipe("data_model_parallel", tmp_path, "--max_train_steps", "1")
+    monkeypatch.setenv("WORLD_SIZE", "6")  # as `accelerate launch --num_processes 6` sets it: 6 is not 2 x 4
+    with pytest.raises(SystemExit, match="6 processes cannot form 2 or more replicas of 4 stages"):
+        run_recipe("data_model_parallel", tmp_path, "--max_train_steps", "1", "--pipeline_stages", "4")

@@ -20,23 +20,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 
-# Lines changed against baseline.py, measured 2026-12-01, plus about 10% for small edits.
+# Lines changed against baseline.py, measured 2026-12-01, plus about 10% (at least 4) for small edits.
 DIFF_BUDGET = {
-    "mixed_precision": 42,
-    "gradient_accumulation": 46,
-    "optim_8bit": 54,
+    "mixed_precision": 41,
+    "gradient_accumulation": 47,
+    "optim_8bit": 55,
     "fsdp": 55,
-    "data_parallel": 65,
-    "qat": 87,
-    "zero": 94,
-    "ptq": 95,
-    "model_parallel": 97,
-    "zero3_offload": 106,
-    "activation_checkpointing": 108,
-    "combined": 128,
-    "pipeline_parallel": 144,
-    "pruning": 145,
-    "qlora": 161,
+    "data_parallel": 63,
+    "activation_checkpointing": 75,
+    "zero": 81,
+    "qat": 90,
+    "zero3_offload": 92,
+    "model_parallel": 95,
+    "ptq": 98,
+    "combined": 127,
+    "pipeline_parallel": 148,
+    "pruning": 148,
+    "qlora": 162,
     "data_model_parallel": 165,
 }
 
