@@ -146,3 +146,24 @@ def test_a_4bit_run_prints_none_of_the_known_noise(tmp_path):
     for noise in ("Setting accelerator to CPU", "_C_mxfp8", "Detected no triton", "is an Enum subclass",
                   "gemm_4bit_forward", "fan_in_fan_out is set to False"):
         assert noise not in out, noise
+
+
+def test_core_imports_run_one_way():
+    """shared/'s modules import each other without a cycle (function-level imports included), and none imports a
+    recipe, a test or a benchmark."""
+    import ast
+    import graphlib
+
+    graph: dict[str, set[str]] = {}
+    for path in (ROOT / "shared").glob("*.py"):
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+            elif isinstance(node, (ast.Import, ast.ImportFrom)) and node.level == 0:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not any(n.split(".")[0] in ("recipes", "tests", "benchmarks") for n in names), path.name
+                deps |= {n.split(".")[1] for n in names if n.startswith("shared.")}
+        graph[path.stem] = deps
+    order = list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
+    assert set(order) >= set(graph)
