@@ -160,7 +160,7 @@ def test_core_imports_run_one_way():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 1:
                 deps |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
-            elif isinstance(node, (ast.Import, ast.ImportFrom)) and node.level == 0:
+            elif isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and node.level == 0):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
                 assert not any(n.split(".")[0] in ("recipes", "tests", "benchmarks") for n in names), path.name
                 deps |= {n.split(".")[1] for n in names if n.startswith("shared.")}
