@@ -52,6 +52,7 @@ RECIPES: dict[str, Support] = {
     "fsdp": Support(shardings=("fsdp",), min_processes=2, instead="accelerate_configs/fsdp.yaml or fsdp_offload.yaml"),
     "qlora": Support(shardings=SHARDINGS),
     "combined": Support(shardings=SHARDINGS),
+    "chunked_loss": Support(shardings=SHARDINGS),  # the head module's own hooks gather it (tests/test_chunked_loss.py)
 }
 
 

@@ -1,0 +1,116 @@
+"""Chunked cross-entropy: a causal LM's loss computed from its hidden states a chunk of tokens at a time, the lm_head
+matmul inside each chunk and the chunk recomputed in backward, so the batch x sequence x vocabulary logits never
+exist at once. Same loss and gradients as baseline.py; what it saves: docs/chunked_loss.md.
+
+One process, DDP, ZeRO-1/2/3 or FSDP2: the launch config decides (the head module's own hooks gather its weight).
+    accelerate launch recipes/chunked_loss.py                                            # tiny GPT-2
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/chunked_loss.py --loss_chunk_size 512
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/chunked_loss.py \
+        --model_name_or_path meta-llama/Llama-3.2-1B --mixed_precision bf16
+"""
+
+import itertools
+import os
+import sys
+from pathlib import Path
+
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import DeepSpeedPlugin, GradientAccumulationPlugin
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+from shared.args import parse_args
+from shared.checkpoint import maybe_save_checkpoint, resume
+from shared.chunked_loss import ChunkedLoss, check_args
+from shared.compat import sharding_of
+from shared.data import endless_batches
+from shared.deepspeed_setup import add_deepspeed_args, resolve_deepspeed_config, zero_config
+from shared.guard import DivergenceGuard
+from shared.launch import resolve_launch, start_run
+from shared.meter import Meter
+from shared.optim import optimizer_and_scheduler, total_steps
+from shared.preflight import stop_if_preflight
+from shared.results import finish
+from shared.tasks import load_task
+
+RECIPE = "chunked_loss"
+
+
+def add_args(p):
+    p.add_argument("--loss_chunk_size", type=int, default=1024,
+                   help="Tokens per chunk. A chunk's fp32 logits take chunk x vocabulary x 4 bytes (196 MiB at GPT-2's "
+                        "50257); smaller chunks save a little more and make more head calls (under ZeRO-3, each one "
+                        "gathers the head's weight).")
+    add_deepspeed_args(p)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, add_args, description=__doc__, task="causal-lm")
+    check_args(args)  # only a causal LM has vocabulary logits to chunk: refused before anything loads
+    ds_config = plugin = None
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # the launch config chose DeepSpeed, as in combined.py
+        stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))
+        ds_config = resolve_deepspeed_config(args, zero_config(stage))  # offload: the launch config's
+        plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=ds_config["zero_optimization"]["stage"] == 3)
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    launch = resolve_launch(args, RECIPE, deepspeed_config=ds_config)
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+        deepspeed_plugin=plugin,  # None: the launch config's sharding (DDP, FSDP) or none
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    task = load_task(args, accelerator)
+    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
+
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
+    )
+    start_step, consumed = resume(accelerator, args)
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, args, task, model, optimizer)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
+    chunked_loss = ChunkedLoss(args.loss_chunk_size, max_tokens=args.per_device_train_batch_size * args.max_seq_length)
+    # Plain vs chunked saved-for-backward bytes on the first batch, before the meter's peak starts: the plain loss's
+    # full logits are built once here, and are not this run's peak.
+    first = next(batches)
+    with accelerator.autocast():
+        measured = chunked_loss.saved_bytes(model, first)
+    batches = itertools.chain([first], batches)
+
+    model.train()
+    for step in meter.steps(start_step, max_steps):
+        batch = next(batches)
+        # Normalize by the items (target tokens or samples) of the global batch: gradients are averaged over
+        # processes, and each process's own mean would weigh a token differently from one big batch.
+        num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
+        # The head runs outside the model's forward here, where Accelerate's autocast does not reach.
+        with accelerator.autocast():
+            loss = chunked_loss(model, batch, num_items)
+        accelerator.backward(loss)  # each chunk's logits are rebuilt here, one chunk at a time
+        if args.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
+        guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
+        optimizer.zero_grad(set_to_none=True)
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+
+    extras = {"sharding": sharding_of(accelerator), "loss_chunk_size": args.loss_chunk_size,
+              "loss_chunks": chunked_loss.num_chunks, **measured}
+    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=extras)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Chunked cross-entropy for causal LMs: the head's matmul and the loss run a chunk of tokens at a time, each chunk
+recomputed in backward, so the batch x sequence x vocabulary logits never exist at once.
+
+The plain loss keeps fp32 log-probabilities of every token for backward (B*T*V*4 bytes: the largest activation of a
+step at a 50K vocabulary). Here each chunk runs under torch.utils.checkpoint (non-reentrant): autograd keeps the
+chunk's input, a view of the hidden states, and rebuilds that chunk's logits in backward, one chunk at a time. The
+loss and gradients are torch's own (F.cross_entropy, autograd): nothing is differentiated by hand.
+
+The head is called as a MODULE in every chunk, never through its `.weight`: the hooks that ZeRO-3 and FSDP2 put on it
+then gather its sharded (or tied) weight exactly as they do for the model's own forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from .deepspeed_setup import gathered_parameters
+from .meter import saved_activation_bytes
+
+# Configs whose forward changes the logits after the head (Gemma's soft-capping, Cohere's and Granite's scales): a loss
+# computed from the head's own output would silently train another objective.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse, before anything loads, what the chunked loss cannot train."""
+    if args.task != "causal-lm":
+        raise SystemExit(f"recipes/chunked_loss.py chunks a causal LM's vocabulary logits, and --task {args.task} has "
+                         "no vocabulary head. Pass --task causal-lm, or use recipes/baseline.py for "
+                         f"{args.task}.")
+    if args.loss_chunk_size < 1:
+        raise SystemExit(f"--loss_chunk_size must be at least 1, got {args.loss_chunk_size}.")
+
+
+def extract(model: nn.Module) -> nn.Module:
+    """The model inside DDP / DeepSpeed's engine (FSDP2 shards the model in place: itself)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model)
+
+
+def output_head(model: nn.Module) -> nn.Module:
+    """The model's lm_head module (wrappers removed: DDP, DeepSpeed's engine); refuses heads it cannot chunk."""
+    inner = extract(model)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if head is None:
+        raise SystemExit(f"{type(inner).__name__} has no output embeddings (get_output_embeddings() is None): there "
+                         "are no vocabulary logits to chunk. Use recipes/baseline.py.")
+    for name in _LOGIT_TRANSFORMS:
+        value = getattr(inner.config, name, None)
+        if value not in (None, 1, 1.0):
+            raise SystemExit(f"{type(inner).__name__} transforms its logits after the head (config.{name}={value}), "
+                             "which the chunked loss would skip. Use recipes/baseline.py for this model.")
+    return head
+
+
+def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # fp32 logits as in Task.loss; under autocast the matmul itself still runs in bf16 / fp16.
+    return F.cross_entropy(head(hidden).float(), targets, ignore_index=-100, reduction="sum")
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module,
+                          num_chunks: int) -> torch.Tensor:
+    """Summed next-token cross-entropy of hidden states (B, T, H) against labels (B, T), -100 = no target.
+
+    The flattened B*T tokens are split into `num_chunks` nearly equal chunks (empty ones allowed).
+    """
+    # Shift the labels, not the hidden states: hidden[:, :-1] would copy every hidden state, and the copy would stay
+    # alive for the recompute. The last position of each row gets no target, as in the plain loss.
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100).reshape(-1)
+    flat = hidden.reshape(-1, hidden.size(-1))  # a view of the (contiguous) hidden states
+    total = flat.new_zeros((), dtype=torch.float32)
+    for h, y in zip(flat.tensor_split(num_chunks), targets.tensor_split(num_chunks), strict=True):
+        total = total + checkpoint(_chunk_loss, head, h, y, use_reentrant=False)
+    return total
+
+
+def plain_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module) -> torch.Tensor:
+    """The plain loss from the same hidden states: the head's full logits, then Task.loss's summed cross-entropy."""
+    logits = head(hidden).float()[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100,
+                           reduction="sum")
+
+
+@contextlib.contextmanager
+def _head_as_identity(head: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Inside: the head hands back its input, the final hidden states, as its output, and computes no logits.
+
+    The model's forward runs through its wrapper (DDP, DeepSpeed, FSDP2) as in any step, and returns the hidden states
+    where its logits would be. The backward hooks that ZeRO-3 and FSDP2 attach to the head's output are then on the
+    tensor the loss really uses, and fire once every chunk is through backward: FSDP2 re-gathers there the final
+    norm's weight, which Accelerate shards in one group with the head (and the tied embedding), for the norm's
+    backward. Attached to unused logits they never fire, and the norm's backward met a freed weight (measured).
+    Handed a zero-length slice, the head's own matmul is empty.
+    """
+    seen: list[torch.Tensor] = []
+
+    def take_input(_module: nn.Module, args: tuple) -> tuple:
+        seen.append(args[0])
+        return (args[0][..., :0, :], *args[1:])
+
+    def give_input_back(_module: nn.Module, _args: tuple, output: torch.Tensor) -> torch.Tensor:
+        # In the dtype the head computes in (bf16 under autocast, as its matmul would cast them), and a copy, not the
+        # input itself (often a view of the norm's output, which FSDP2 warns about hooking): B x T x H, V/H times
+        # smaller than the logits it replaces.
+        return seen[-1].to(output.dtype, copy=True)
+
+    # The input is taken after the wrappers' pre-hooks (gathered weight, cast input); the output is replaced before
+    # their post-hooks see it (prepend), so they hook the hidden states.
+    handles = [head.register_forward_pre_hook(take_input), head.register_forward_hook(give_input_back, prepend=True)]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def final_hidden_states(model: nn.Module, head: nn.Module, batch: dict) -> torch.Tensor:
+    """The hidden states the model's head turns into logits (after the final norm), from the model's own forward."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with _head_as_identity(head) as seen:
+        hidden = model(**inputs, use_cache=False).logits  # no KV cache in training (as Task.loss)
+    if len(seen) != 1 or hidden.shape != seen[0].shape:
+        raise SystemExit(f"{type(extract(model)).__name__} calls its head {len(seen)} times in a forward, or reshapes "
+                         "its output: the chunked loss cannot tell which call makes the logits. Use "
+                         "recipes/baseline.py.")
+    return hidden
+
+
+def _whole_copy(head: nn.Module) -> nn.Linear:
+    """A local nn.Linear with the head's whole weight: ZeRO-3 gathers its partitions, FSDP2 its shards (collectives:
+    call on every process)."""
+    if not isinstance(head, nn.Linear):
+        raise SystemExit(f"The model's head is a {type(head).__name__}, not an nn.Linear. Use recipes/baseline.py.")
+    with gathered_parameters(head), torch.no_grad():
+        whole = [t.full_tensor() if isinstance(t, DTensor) else t for t in (head.weight, head.bias) if t is not None]
+        # skip_init: a random init would draw from the RNG that the training steps' dropout uses
+        copy = nn.utils.skip_init(nn.Linear, whole[0].size(1), whole[0].size(0), bias=len(whole) == 2,
+                                  device=whole[0].device, dtype=whole[0].dtype)
+        for dst, src in zip(copy.parameters(), whole, strict=True):
+            dst.copy_(src)
+    return copy
+
+
+@dataclass(frozen=True)
+class ChunkedLoss:
+    """Task.loss for a causal LM, chunked: summed cross-entropy over chunks of at most `chunk_size` tokens, divided by
+    `num_items` (the global batch's target tokens, as in every recipe)."""
+
+    chunk_size: int
+    max_tokens: int  # per-device batch x max_seq_length: the most tokens one batch can hold
+
+    @property
+    def num_chunks(self) -> int:
+        # Fixed by the flags, not by each batch's padded length: under ZeRO-3 every head call gathers the head's
+        # weight (a collective), so every process must make the same number of calls, every step.
+        return math.ceil(self.max_tokens / self.chunk_size)
+
+    def __call__(self, model: nn.Module, batch: dict, num_items: torch.Tensor | float) -> torch.Tensor:
+        head = output_head(model)
+        hidden = final_hidden_states(model, head, batch)
+        return chunked_cross_entropy(hidden, batch["labels"], head, self.num_chunks) / num_items
+
+    def saved_bytes(self, model: nn.Module, batch: dict) -> dict[str, object]:
+        """Saved-for-backward bytes of this loss and of the plain one, from the same hidden states of one batch on.
+
+        Counted with shared.meter.saved_activation_bytes on a whole local copy of the head: its parameters are not
+        counted (a gathered ZeRO-3 weight, a new storage, would be). Both figures include the hidden states: the
+        chunks keep them (with the shifted labels) as their checkpoint inputs, the plain matmul as its input.
+        """
+        head = output_head(model)
+        was_training = model.training
+        model.eval()  # no dropout: the measurement draws nothing from the RNG the training steps' dropout uses
+        with torch.no_grad():
+            hidden = final_hidden_states(model, head, batch)
+        model.train(was_training)
+        local = _whole_copy(head)
+        hidden, labels = hidden.detach().requires_grad_(), batch["labels"]
+        with saved_activation_bytes(local) as chunked:
+            loss = chunked_cross_entropy(hidden, labels, local, self.num_chunks)
+        measured = {"loss_saved_bytes": chunked["bytes"], "loss_saved_bytes_tokens": labels.numel()}
+        try:
+            with saved_activation_bytes(local) as plain:
+                reference = plain_cross_entropy(hidden, labels, local)
+        except torch.OutOfMemoryError:  # the full logits do not fit, which is why one chunks: say so, and train
+            return {**measured, "loss_saved_bytes_plain": None, "loss_chunked_minus_plain": None}
+        # The difference of the two mean losses (summed / target tokens) on this batch: rounding only.
+        targets = max(1, int((labels[:, 1:] != -100).sum()))
+        return {**measured, "loss_saved_bytes_plain": plain["bytes"],
+                "loss_chunked_minus_plain": (loss - reference).item() / targets}
