@@ -116,16 +116,31 @@ def document_attention_mask(position_ids: torch.Tensor, attention_mask: torch.Te
     return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
+def flash_varlen_kwargs(position_ids: torch.Tensor) -> dict:
+    """Cumulative segment lengths over the flattened batch, as flash-attn's varlen kernel takes them.
+
+    Transformers infers them from position_ids only for a batch of one (modeling_flash_attention_utils.
+    _is_packed_sequence); given explicitly (FlashAttentionKwargs), they serve any batch of blocks.
+    """
+    flat = position_ids.reshape(-1)
+    starts = torch.nonzero(flat == 0).flatten()  # every block starts at 0 too: a segment never spans two blocks
+    cu = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 def per_document_inputs(inputs: dict, attn_implementation: str) -> dict:
     """The model inputs that keep documents apart, for the attention implementation the model runs.
 
-    sdpa and eager: an explicit 4-D mask (a 2-D padding mask would switch off Transformers' own detection of
-    packed position_ids). flash_attention_2/3 and flex: position_ids alone, with no mask; Transformers then derives
-    the document boundaries from them (varlen cu_seqlens for flash, a block mask for flex). Padding (evaluation
-    only) sits after the last document and is never a target, so dropping its mask changes no real token.
+    sdpa and eager: an explicit 4-D mask (a 2-D padding mask would switch off Transformers' own detection of packed
+    position_ids). flash_attention_2/3: no mask, the segments as varlen cu_seqlens. Others (flex): position_ids
+    alone, from which Transformers' masking_utils derives the document boundaries. Padding (evaluation only) sits
+    after the last document and is never a target, so where its mask is dropped no real token changes.
     """
     inputs = dict(inputs)
     mask = inputs.pop("attention_mask", None)
     if attn_implementation in ("sdpa", "eager"):
         inputs["attention_mask"] = document_attention_mask(inputs["position_ids"], mask, attn_implementation)
+    elif "flash" in attn_implementation:
+        inputs.update(flash_varlen_kwargs(inputs["position_ids"]))
     return inputs

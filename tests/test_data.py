@@ -123,6 +123,20 @@ def test_per_document_logits_equal_each_document_alone(kind, attn):
     assert leak > 1e-3  # the check can fail: without the document mask, later documents see earlier ones
 
 
+def test_flash_varlen_segments_are_the_documents():
+    """The flash-attention path (a GPU with flash-attn; not run here): cu_seqlens cut the flattened batch into the
+    same segments as the 4-D mask."""
+    docs = [[7] * 5 + [2], [8] * 9 + [2], [9] * 3 + [2]]
+    blocks = packing.pack(docs, block_size=8, per_document=True, keep_last=True, pad_id=0)
+    pos = torch.tensor(blocks["position_ids"])
+    kwargs = packing.per_document_inputs({"input_ids": torch.tensor(blocks["input_ids"]), "position_ids": pos,
+                                          "attention_mask": torch.tensor(blocks["attention_mask"])},
+                                         "flash_attention_2")
+    assert "attention_mask" not in kwargs
+    # blocks [d0 x6, d1 x2] [d1 x8] [d2 x4, pad x4]: segments start at 0, 6, 8 and 16 of the 24 positions
+    assert kwargs["cu_seq_lens_q"].tolist() == [0, 6, 8, 16, 24] and kwargs["max_length_q"] == 8
+
+
 def test_per_document_accumulation_equals_one_large_batch(tmp_path):
     """per_document blocks hold different numbers of targets: 4 micro-batches of 4 == one batch of 16 still."""
     common = ["--task", "causal-lm", "--packing", "per_document", "--disable_dropout", "--max_train_steps", 1,
