@@ -20,6 +20,7 @@ logger = logging.getLogger("recipes")
 _OWN_ATTENTION_MASK = ("pipeline_parallel", "data_model_parallel")
 _NO_EXAMPLES = "The training data ({source}) has no usable examples. Check the file and the columns."
 
+
 @dataclass
 class Task:
     name: str
@@ -106,6 +107,9 @@ def load_task(args: argparse.Namespace, accelerator) -> Task:
     """Data, tokenizer and model for args.task. Bad input fails here, before any training step."""
     data.check_paths(args)
     models.check_model_path(args.model_name_or_path)
+    if args.text_pair_column and args.task != "text-classification":
+        raise SystemExit(f"--text_pair_column serves --task text-classification (sentence pairs), not {args.task}. "
+                         "Drop it, or pass --task text-classification.")
     recipe = getattr(args, "recipe", None)
     if args.task == "causal-lm" and args.packing == "per_document" and recipe in _OWN_ATTENTION_MASK:
         raise SystemExit(f"--packing per_document: recipes/{recipe}.py runs the model through its own pipeline "
