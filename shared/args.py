@@ -6,6 +6,10 @@ import argparse
 from collections.abc import Callable, Sequence
 
 TASKS = ("text-classification", "causal-lm", "image-classification")
+PACKING = ("concat", "per_document", "none")  # shared/packing.py
+# Resolved after parsing when --learning_rate is unset: fine-tuning pretrained weights (the Transformers examples'
+# default) wants a far smaller step than training a randomly initialised preset from scratch.
+PRETRAINED_LR, FROM_SCRATCH_LR = 5e-5, 1e-3
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -38,6 +42,8 @@ def parse_args(
                    help="Set every dropout probability to 0: runs that differ only in batching then match exactly.")
     g.add_argument("--trust_remote_code", action="store_true",
                    help="Run code shipped with a hub model. Off unless passed.")
+    g.add_argument("--attn_implementation", default=None,
+                   help="eager, sdpa, flash_attention_2 ... Unset: Transformers' choice (sdpa where the model has it).")
 
     g = p.add_argument_group("data (unset: a built-in offline dataset the model can learn)")
     g.add_argument("--dataset_name", default=None, help="Hub dataset id.")
@@ -47,16 +53,34 @@ def parse_args(
     g.add_argument("--train_dir", default=None, help="Image folder: one subfolder per class.")
     g.add_argument("--validation_dir", default=None)
     g.add_argument("--text_column", default=None)
+    g.add_argument("--text_pair_column", default=None,
+                   help="text-classification of sentence pairs (GLUE MRPC, MNLI): the second text's column; the "
+                        "tokenizer gets (text, text_pair).")
     g.add_argument("--label_column", default=None)
     g.add_argument("--image_column", default=None)
-    g.add_argument("--max_seq_length", type=int, default=128)
+    g.add_argument("--max_seq_length", type=int, default=128,
+                   help="Tokens per sample: the block length when packed, the cut otherwise.")
+    g.add_argument("--packing", default="concat", choices=PACKING,
+                   help="causal-lm: how documents (rows, or lines of a .txt) become samples. concat: tokenized, "
+                        "joined with EOS between documents and cut into blocks of --max_seq_length, the last partial "
+                        "block of each 1000 documents dropped (as Transformers' run_clm): no padding, nearly every "
+                        "token trained. per_document: the same "
+                        "blocks, but no token attends to or predicts across a document boundary (a block-diagonal "
+                        "causal mask and position_ids restarting at each document). none: one document per sample, "
+                        "padded, and cut at --max_seq_length (what does not fit is lost; the run warns). Packed, "
+                        "--max_train_samples and --max_eval_samples count blocks.")
+    g.add_argument("--dataloader_num_workers", type=int, default=0,
+                   help="Processes that load and collate batches (0: the training process itself). Memory is pinned "
+                        "when the device is CUDA.")
     g.add_argument("--max_train_samples", type=int, default=None)
     g.add_argument("--max_eval_samples", type=int, default=None)
 
     g = p.add_argument_group("training")
     g.add_argument("--per_device_train_batch_size", type=int, default=16)
     g.add_argument("--per_device_eval_batch_size", type=int, default=32)
-    g.add_argument("--learning_rate", type=float, default=1e-3)
+    g.add_argument("--learning_rate", type=float, default=None,
+                   help=f"None: {PRETRAINED_LR:g} with --model_name_or_path (fine-tuning pretrained weights, as the "
+                        f"Transformers examples), {FROM_SCRATCH_LR:g} for a --model_preset model (random weights).")
     g.add_argument("--weight_decay", type=float, default=0.01)
     g.add_argument("--num_train_epochs", type=float, default=2.0)
     g.add_argument("--max_train_steps", type=int, default=None, help="Overrides --num_train_epochs.")
@@ -101,4 +125,8 @@ def parse_args(
             p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if args.max_train_steps is not None and args.max_train_steps < 1:
         p.error(f"--max_train_steps must be at least 1, got {args.max_train_steps}")
+    if args.dataloader_num_workers < 0:
+        p.error(f"--dataloader_num_workers must be 0 or more, got {args.dataloader_num_workers}")
+    if args.learning_rate is None:  # a recipe's own default (parse_args(learning_rate=...)) is not None: kept
+        args.learning_rate = PRETRAINED_LR if args.model_name_or_path else FROM_SCRATCH_LR
     return args

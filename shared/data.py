@@ -37,6 +37,22 @@ def sentiment_dataset(n: int, seed: int) -> dict[str, list]:
     return {"text": texts, "label": labels}
 
 
+def review_pairs_dataset(n: int, seed: int) -> dict[str, list]:
+    """Reviews of three sentiment clauses split into two sentences (1 + 2 or 2 + 1 clauses); the label is the
+    polarity most of the three hold. sentence1 alone decides it 3 times in 4 at best; the pair, always."""
+    rng = random.Random(seed)
+    first, second, labels = [], [], []
+    for _ in range(n):
+        polarities = [rng.randint(0, 1) for _ in range(3)]
+        clauses = [f"{rng.choice(_FILLER)} {rng.choice(_NOUNS)} was {rng.choice(_POSITIVE if p else _NEGATIVE)}"
+                   for p in polarities]
+        cut = rng.randint(1, 2)
+        first.append(" and ".join(clauses[:cut]))
+        second.append(" and ".join(clauses[cut:]))
+        labels.append(int(sum(polarities) >= 2))
+    return {"sentence1": first, "sentence2": second, "label": labels}
+
+
 def story_dataset(n: int, seed: int) -> dict[str, list]:
     """Lines of 1 to 4 templated sentences and counting runs: a causal LM's perplexity falls far below chance."""
     rng = random.Random(seed)
@@ -198,7 +214,8 @@ def pick_column(columns: list[str], wanted: str | None, guesses: tuple[str, ...]
     for name in guesses:
         if name in columns:
             return name
-    raise SystemExit(f"Found no {what} column among {columns}. Pass --{flag} naming it.")
+    pairs = " (sentence pairs such as GLUE's sentence1/sentence2: also --text_pair_column)" if what == "text" else ""
+    raise SystemExit(f"Found no {what} column among {columns}. Pass --{flag} naming it{pairs}.")
 
 
 def column_names(split: object) -> list[str]:
@@ -220,18 +237,36 @@ def build_word_tokenizer(texts: list[str], task: str, vocab_size: int = 8000):
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(texts, trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=specials))
+    inputs = {}
     if task == "causal-lm":
         template = processors.TemplateProcessing(single="[BOS] $A [EOS]", special_tokens=[
             ("[BOS]", tok.token_to_id("[BOS]")), ("[EOS]", tok.token_to_id("[EOS]"))])
-    else:
-        template = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+    else:  # a pair is [CLS] A [SEP] B [SEP], B in segment 1 (token_type_ids), as BERT's tokenizer makes it
+        template = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
                                                  special_tokens=[("[CLS]", tok.token_to_id("[CLS]")),
                                                                  ("[SEP]", tok.token_to_id("[SEP]"))])
+        inputs["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
     tok.post_processor = template
-    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS, **inputs)
 
 
 # ---------------------------------------------------------------- images to tensors
+RESAMPLE = 3  # PIL's BICUBIC (Image.resize's default): the dataset and the saved image processor resize alike
+
+
+def image_processor(size: int, mean: list[float], std: list[float]):
+    """A ViT image processor that does what ImageDataset does: resize to size x size, scale to [0, 1], normalize."""
+    import importlib.util
+
+    import transformers
+
+    # Transformers 5 builds ViTImageProcessor on torchvision; the PIL one is the same processing without it.
+    cls = (transformers.ViTImageProcessor if importlib.util.find_spec("torchvision")
+           else transformers.ViTImageProcessorPil)
+    return cls(do_resize=True, size={"height": size, "width": size}, resample=RESAMPLE, do_rescale=True,
+               rescale_factor=1 / 255, do_normalize=True, image_mean=mean, image_std=std)
+
+
 class ImageDataset(torch.utils.data.Dataset):
     """uint8 arrays or image paths -> normalized pixel_values at the model's size."""
 
@@ -249,11 +284,11 @@ class ImageDataset(torch.utils.data.Dataset):
             from PIL import Image
 
             pil = img if isinstance(img, Image.Image) else Image.open(img)
-            img = np.asarray(pil.convert("RGB").resize((self.size, self.size)))
+            img = np.asarray(pil.convert("RGB").resize((self.size, self.size), RESAMPLE))
         elif img.shape[0] != self.size:
             from PIL import Image
 
-            img = np.asarray(Image.fromarray(img).resize((self.size, self.size)))
+            img = np.asarray(Image.fromarray(img).resize((self.size, self.size), RESAMPLE))
         x = torch.from_numpy(np.array(img)).permute(2, 0, 1).float() / 255.0  # np.array: a writable copy
         return {"pixel_values": (x - self.mean) / self.std, "labels": torch.tensor(self.labels[i])}
 

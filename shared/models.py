@@ -89,9 +89,12 @@ def build_model(args: argparse.Namespace, config: PretrainedConfig) -> nn.Module
         for key, value in config.to_dict().items():
             if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
                 setattr(config, key, 0.0)
+    # Unset: Transformers picks (sdpa where the model has it). flash_attention_2 needs a GPU and flash-attn.
+    attn = {"attn_implementation": args.attn_implementation} if getattr(args, "attn_implementation", None) else {}
     if args.model_name_or_path:
-        return auto.from_pretrained(args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code)
-    return auto.from_config(config)
+        return auto.from_pretrained(args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code,
+                                    **attn)
+    return auto.from_config(config, **attn)
 
 
 def transformer_layers(model: nn.Module) -> nn.ModuleList:

@@ -47,6 +47,7 @@ def collect_results(accelerator, args: argparse.Namespace, recipe: str, task, me
         "per_device_train_batch_size": args.per_device_train_batch_size,
         **meter.summary(),
         **metrics,
+        **getattr(task, "stats", {}),  # what the training data holds (shared/datastats.py)
         **meter.extras,
         **(extras or {}),
     }

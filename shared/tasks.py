@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -11,7 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import data, models
+from . import data, datastats, models, packing
+
+logger = logging.getLogger("recipes")
+# Recipes whose pipeline stages run the blocks themselves with a plain causal mask (shared/pipeline_stages.py):
+# packed documents would attend to each other there.
+_OWN_ATTENTION_MASK = ("pipeline_parallel", "data_model_parallel")
+_NO_EXAMPLES = "The training data ({source}) has no usable examples. Check the file and the columns."
 
 
 @dataclass
@@ -24,6 +31,9 @@ class Task:
     data_source: str
     tokenizer: object | None = None
     extra_files: dict[str, object] = field(default_factory=dict)
+    packing: str = "none"  # causal LM: how documents became samples (shared/packing.py)
+    processor: object | None = None  # image models: the image processor a pipeline needs beside the weights
+    stats: dict[str, object] = field(default_factory=dict)  # what the training data holds, for results.json
 
     # ---- loss: a sum over items divided by a count, so accumulation can normalize over the whole global batch
     def count_items(self, batch: dict) -> torch.Tensor:
@@ -48,6 +58,8 @@ class Task:
             # A KV cache only serves generation; in training it costs memory, and a checkpointed block that is
             # recomputed in backward would append to it a second time.
             inputs["use_cache"] = False
+            if self.packing == "per_document":
+                inputs = packing.per_document_inputs(inputs, self.model.config._attn_implementation)
         return inputs
 
     def tokens_in(self, batch: dict) -> int:
@@ -85,28 +97,40 @@ class Task:
         return {"eval_accuracy": mean}
 
     def save_preprocessing(self, output_dir: str) -> None:
-        """What a user needs beside the weights to run the model: the tokenizer."""
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(output_dir)
+        """What a user needs beside the weights to run the model: the tokenizer, or the image processor."""
+        for preprocessor in (self.tokenizer, self.processor):
+            if preprocessor is not None:
+                preprocessor.save_pretrained(output_dir)
 
 
 def load_task(args: argparse.Namespace, accelerator) -> Task:
     """Data, tokenizer and model for args.task. Bad input fails here, before any training step."""
     data.check_paths(args)
     models.check_model_path(args.model_name_or_path)
+    if args.text_pair_column and args.task != "text-classification":
+        raise SystemExit(f"--text_pair_column serves --task text-classification (sentence pairs), not {args.task}. "
+                         "Drop it, or pass --task text-classification.")
+    recipe = getattr(args, "recipe", None)
+    if args.task == "causal-lm" and args.packing == "per_document" and recipe in _OWN_ATTENTION_MASK:
+        raise SystemExit(f"--packing per_document: recipes/{recipe}.py runs the model through its own pipeline "
+                         "stages, whose plain causal mask would let packed documents attend to each other. "
+                         "Use --packing concat or --packing none with it.")
     with accelerator.main_process_first():  # the first process fills the datasets cache, the others reuse it
         train_raw, val_raw, source = data.load_raw_splits(args)
     loader = {"text-classification": _text_classification, "causal-lm": _causal_lm,
               "image-classification": _image_classification}[args.task]
     task = loader(args, accelerator, train_raw, val_raw, source)
     n_train = len(task.train_dataloader.dataset)
+    packed = task.packing != "none"
     if n_train == 0:
-        raise SystemExit(f"The training data ({source}) has no usable examples. Check the file and the columns.")
+        raise SystemExit(_NO_EXAMPLES.format(source=source))
     global_batch = args.per_device_train_batch_size * accelerator.num_processes
     if global_batch > n_train:
+        what = f"{n_train} blocks of {args.max_seq_length} tokens" if packed else f"{n_train} examples"
         raise SystemExit(f"The global batch ({args.per_device_train_batch_size} per device x "
                          f"{accelerator.num_processes} processes = {global_batch}) is larger than the training set "
-                         f"({n_train} examples). Lower --per_device_train_batch_size or add data.")
+                         f"({what}). Lower --per_device_train_batch_size{' or --max_seq_length' if packed else ''} "
+                         "or add data.")
     return task
 
 
@@ -124,12 +148,17 @@ def _to_dataset(split: object):
     return split if isinstance(split, datasets.Dataset) else datasets.Dataset.from_dict(split)
 
 
-def _dataloaders(args, train_ds, eval_ds, collate) -> tuple[DataLoader, DataLoader]:
+def _dataloaders(args, accelerator, train_ds, eval_ds, collate) -> tuple[DataLoader, DataLoader]:
+    # Workers only load and collate: the order comes from the sampler in the main process, so a resumed run sees
+    # the same batches with any number of them. Pinned memory speeds host-to-GPU copies and is pointless elsewhere.
+    workers = args.dataloader_num_workers
+    loading = dict(num_workers=workers, pin_memory=accelerator.device.type == "cuda",
+                   persistent_workers=workers > 0)  # not respawned at every epoch of endless_batches
     # A generator of its own: each new epoch iterator then draws its seed from it, not from the global RNG that
     # dropout uses, so a resumed run sees the same dropout masks as an uninterrupted one.
     train = DataLoader(train_ds, batch_size=args.per_device_train_batch_size, shuffle=True, collate_fn=collate,
-                       generator=torch.Generator().manual_seed(args.seed))
-    evaluation = DataLoader(eval_ds, batch_size=args.per_device_eval_batch_size, collate_fn=collate)
+                       generator=torch.Generator().manual_seed(args.seed), **loading)
+    evaluation = DataLoader(eval_ds, batch_size=args.per_device_eval_batch_size, collate_fn=collate, **loading)
     return train, evaluation
 
 
@@ -159,15 +188,20 @@ def _label_mapping(train_labels: list, val_labels: list) -> tuple[list, dict]:
 def _text_classification(args, accelerator, train_raw, val_raw, source) -> Task:
     cols = data.column_names(train_raw)
     text_col = data.pick_column(cols, args.text_column, data._TEXT_GUESSES, "text", "text_column")
+    # Sentence pairs (GLUE MRPC, MNLI ...): the tokenizer joins the two its own way ([SEP] and segment ids for BERT).
+    pair_col = (data.pick_column(cols, args.text_pair_column, (), "text pair", "text_pair_column")
+                if args.text_pair_column else None)
     label_col = data.pick_column(cols, args.label_column, data._LABEL_GUESSES, "label", "label_column")
     train_raw, val_raw = _limit(train_raw, args.max_train_samples), _limit(val_raw, args.max_eval_samples)
     train_ds, val_ds = _to_dataset(train_raw), _to_dataset(val_raw)
     labels, mapping = _label_mapping(list(train_ds[label_col]), list(val_ds[label_col]))
     num_labels = len(mapping) if mapping else int(max(labels)) + 1
-    tokenizer = _tokenizer(args, list(train_ds[text_col]))
+    texts = list(train_ds[text_col]) + (list(train_ds[pair_col]) if pair_col else [])
+    tokenizer = _tokenizer(args, texts)
 
     def encode(batch):
-        enc = tokenizer(batch[text_col], truncation=True, max_length=args.max_seq_length)
+        pairs = (batch[pair_col],) if pair_col else ()
+        enc = tokenizer(batch[text_col], *pairs, truncation=True, max_length=args.max_seq_length)
         enc["labels"] = [mapping[str(v)] if mapping else int(v) for v in batch[label_col]]
         return enc
 
@@ -178,14 +212,20 @@ def _text_classification(args, accelerator, train_raw, val_raw, source) -> Task:
     if args.model_name_or_path:
         extra = {"id2label": {i: n for i, n in enumerate(mapping)}} if mapping else {}
         config = models.load_pretrained_config(args, num_labels=num_labels, **extra)
+        if getattr(config, "pad_token_id", None) is None:
+            # Decoder-only classifiers (GPT-2, Llama) score the last token that is not padding and refuse a batch
+            # of more than one without a pad id: the tokenizer's (its EOS, for GPT-2-style tokenizers).
+            config.pad_token_id = tokenizer.pad_token_id
     else:
         config = models.preset_config(args.task, args.model_preset, vocab_size=_vocab(tokenizer, args),
                                       num_labels=num_labels, pad_token_id=tokenizer.pad_token_id)
         if mapping:
             config.id2label = dict(enumerate(mapping))
     model = models.build_model(args, config)
-    train_dl, eval_dl = _dataloaders(args, train_ds, val_ds, DataCollatorWithPadding(tokenizer))
-    return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, tokenizer)
+    train_dl, eval_dl = _dataloaders(args, accelerator, train_ds, val_ds, DataCollatorWithPadding(tokenizer))
+    lengths = [len(x) for x in train_ds["input_ids"]]
+    stats = datastats.text_stats(lengths, None, args.per_device_train_batch_size, args.seed)
+    return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, tokenizer, stats=stats)
 
 
 def _vocab(tokenizer, args) -> int:
@@ -212,14 +252,12 @@ def _causal_lm(args, accelerator, train_raw, val_raw, source) -> Task:
     # Blank lines (wikitext has many) hold no target token.
     train_ds, val_ds = (ds.filter(lambda b: [bool(t and t.strip()) for t in b[text_col]], batched=True)
                         for ds in (train_ds, val_ds))
-    train_ds, val_ds = _limit(train_ds, args.max_train_samples), _limit(val_ds, args.max_eval_samples)
+    if len(train_ds) == 0:
+        raise SystemExit(_NO_EXAMPLES.format(source=source))
+    packed = args.packing != "none"
+    if not packed:  # a sample is a line: the limits count lines (packed, they count blocks, as in run_clm)
+        train_ds, val_ds = _limit(train_ds, args.max_train_samples), _limit(val_ds, args.max_eval_samples)
     tokenizer = _tokenizer(args, list(train_ds[text_col]))
-
-    def encode(batch):
-        return tokenizer(batch[text_col], truncation=True, max_length=args.max_seq_length)
-
-    with accelerator.main_process_first():
-        train_ds, val_ds = (ds.map(encode, batched=True, remove_columns=ds.column_names) for ds in (train_ds, val_ds))
     if args.model_name_or_path:
         config = models.load_pretrained_config(args)
     else:
@@ -230,9 +268,41 @@ def _causal_lm(args, accelerator, train_raw, val_raw, source) -> Task:
     if positions and args.max_seq_length > positions:
         raise SystemExit(f"--max_seq_length {args.max_seq_length} exceeds the model's {positions} positions. "
                          f"Pass --max_seq_length {positions} or less.")
+    with accelerator.main_process_first():
+        train_ds, text_tokens = packing.samples(train_ds, tokenizer, text_col, args.packing, args.max_seq_length,
+                                                train=True)
+        val_ds, _ = packing.samples(val_ds, tokenizer, text_col, args.packing, args.max_seq_length, train=False)
+    if len(train_ds) == 0:
+        raise SystemExit(f"The training text ({source}) holds {text_tokens} tokens, fewer than one block of "
+                         f"--max_seq_length {args.max_seq_length}. Lower --max_seq_length, add text, or pass "
+                         "--packing none.")
+    held = sum(train_ds["n_real"])  # before --max_train_samples: what packing or the cut left of the text
+    if packed:
+        train_ds, val_ds = _limit(train_ds, args.max_train_samples), _limit(val_ds, args.max_eval_samples)
+    stats = datastats.text_stats(train_ds["n_real"], train_ds["n_targets"], args.per_device_train_batch_size,
+                                 args.seed, block=args.max_seq_length if packed else None)
+    stats["train_text_tokens"] = text_tokens
+    stats["dropped_token_fraction"] = round(1.0 - held / max(1, text_tokens), 6)
+    _report_packing(args, accelerator, stats)
+    train_ds, val_ds = (ds.remove_columns(["n_real", "n_targets"]) for ds in (train_ds, val_ds))
     model = models.build_model(args, config)
-    train_dl, eval_dl = _dataloaders(args, train_ds, val_ds, CausalCollator(tokenizer))
-    return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, tokenizer)
+    collate = packing.BlockCollator() if packed else CausalCollator(tokenizer)
+    train_dl, eval_dl = _dataloaders(args, accelerator, train_ds, val_ds, collate)
+    return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, tokenizer,
+                packing=args.packing, stats=stats)
+
+
+def _report_packing(args, accelerator, stats: dict) -> None:
+    if not accelerator.is_main_process:
+        return
+    dropped = stats["dropped_token_fraction"]
+    if args.packing == "none" and dropped > 0:
+        logger.warning("--packing none: --max_seq_length %d cut %.1f%% of the training text's %d tokens. "
+                       "--packing concat (the default) packs whole documents into blocks and keeps them.",
+                       args.max_seq_length, 100 * dropped, stats["train_text_tokens"])
+    logger.info("causal-lm data, --packing %s: %d training samples of up to %d tokens, %d target tokens per epoch, "
+                "%.1f%% of the text's tokens left out, %.1f%% padding", args.packing, stats["train_examples"],
+                args.max_seq_length, stats["train_target_tokens"], 100 * dropped, 100 * stats["padding_fraction"])
 
 
 def _image_classification(args, accelerator, train_raw, val_raw, source) -> Task:
@@ -246,29 +316,34 @@ def _image_classification(args, accelerator, train_raw, val_raw, source) -> Task
     names = names or (list(mapping) if mapping else None)
     num_labels = len(names) if names else int(max(labels)) + 1
     to_id = (lambda v: mapping[str(v)]) if mapping else int  # noqa: E731
-    mean, std = [0.5] * 3, [0.5] * 3
+    processor = None
     if args.model_name_or_path:
         extra = {"id2label": dict(enumerate(names))} if names else {}
         config = models.load_pretrained_config(args, num_labels=num_labels, **extra)
-        mean, std = _processor_stats(args, mean, std)
+        processor = _pretrained_processor(args)
     else:
         config = models.preset_config(args.task, args.model_preset, num_labels=num_labels)
         if names:
             config.id2label = dict(enumerate(names))
     size = config.image_size
+    # Saved beside the weights, so that pipeline("image-classification", model=output_dir) prepares an image as
+    # training did: the same size, resampling and normalization.
+    processor = processor or data.image_processor(size, [0.5] * 3, [0.5] * 3)
+    mean, std = list(processor.image_mean), list(processor.image_std)
     train_ds = data.ImageDataset(list(train_raw[image_col]), [to_id(v) for v in train_labels], size, mean, std)
     val_ds = data.ImageDataset(list(val_raw[image_col]), [to_id(v) for v in val_labels], size, mean, std)
     model = models.build_model(args, config)
-    train_dl, eval_dl = _dataloaders(args, train_ds, val_ds, None)
-    return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source)
+    train_dl, eval_dl = _dataloaders(args, accelerator, train_ds, val_ds, None)
+    return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, processor=processor,
+                stats={"train_examples": len(train_ds)})
 
 
-def _processor_stats(args, mean: list[float], std: list[float]) -> tuple[list[float], list[float]]:
-    """The pretrained model's normalization, when it ships an image processor config."""
+def _pretrained_processor(args):
+    """The pretrained model's own image processor (its normalization), when it ships one."""
     try:
         from transformers import AutoImageProcessor
 
-        proc = AutoImageProcessor.from_pretrained(args.model_name_or_path, use_fast=False)
-        return list(proc.image_mean), list(proc.image_std)
+        proc = AutoImageProcessor.from_pretrained(args.model_name_or_path)
+        return proc if hasattr(proc, "image_mean") and hasattr(proc, "image_std") else None
     except (OSError, ValueError, AttributeError):
-        return mean, std
+        return None

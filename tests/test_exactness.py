@@ -7,10 +7,14 @@ from tests.conftest import launch, load_params, max_param_diff, run_recipe
 TOL = 1e-5  # fp32: only the order of summation differs
 
 
-@pytest.mark.parametrize("task", ["text-classification", "causal-lm", "image-classification"])
+# causal-lm twice: packed (the default: every block holds as many target tokens as the next) and one padded line per
+# sample (micro-batches hold different numbers of them, which only a normalization over the whole batch gets right).
+@pytest.mark.parametrize("task", ["text-classification", "causal-lm", "causal-lm-per-line", "image-classification"])
 def test_accumulation_equals_one_large_batch(task, tmp_path):
     """4 micro-batches of 4 with accumulation 4 == one batch of 16, after one optimizer step."""
-    common = ["--task", task, "--disable_dropout", "--max_train_steps", 1, "--max_grad_norm", 0]
+    per_line = ["--packing", "none"] if task.endswith("-per-line") else []
+    common = ["--task", task.removesuffix("-per-line"), *per_line, "--disable_dropout", "--max_train_steps", 1,
+              "--max_grad_norm", 0]
     run_recipe("baseline", tmp_path / "big", *common, "--per_device_train_batch_size", 16)
     r = run_recipe("gradient_accumulation", tmp_path / "acc", *common, "--per_device_train_batch_size", 4,
                    "--gradient_accumulation_steps", 4)
@@ -24,7 +28,10 @@ def test_per_token_normalization_matters(tmp_path):
     """The check above can fail: averaging per micro-batch instead of per token gives other parameters."""
     from tests.conftest import load_recipe
 
-    common = ["--task", "causal-lm", "--disable_dropout", "--max_train_steps", 1, "--max_grad_norm", 0]
+    # One line per sample, so micro-batches hold different numbers of target tokens (packed blocks all hold the
+    # same number, and there the two averages agree).
+    common = ["--task", "causal-lm", "--disable_dropout", "--max_train_steps", 1, "--max_grad_norm", 0,
+              "--packing", "none"]
     run_recipe("baseline", tmp_path / "big", *common, "--per_device_train_batch_size", 16)
     # Four single-batch baseline steps with lr/4 would differ anyway; instead, weigh micro-batches equally:
     recipe = load_recipe("gradient_accumulation")
@@ -63,7 +70,8 @@ def test_ddp_equals_one_process(tmp_path):
 @pytest.mark.slow
 def test_accumulation_under_ddp_equals_one_large_batch(tmp_path):
     """2 processes x 2 micro-batches of 4 == 1 process x 16, with the loss normalized over all target tokens."""
-    common = ["--task", "causal-lm", "--disable_dropout", "--max_train_steps", 2]
+    # One line per sample: micro-batches with different numbers of target tokens.
+    common = ["--task", "causal-lm", "--packing", "none", "--disable_dropout", "--max_train_steps", 2]
     run_recipe("baseline", tmp_path / "one", *common, "--per_device_train_batch_size", 16)
     r = launch("gradient_accumulation", tmp_path / "ddp", *common, "--per_device_train_batch_size", 4,
                "--gradient_accumulation_steps", 2)

@@ -35,7 +35,7 @@ def test_text_classification_from_files(fmt, tmp_path):
 
 def test_causal_lm_from_txt(tmp_path):
     path = tmp_path / "train.txt"
-    path.write_text("\n".join(story_dataset(60, seed=3)["text"]) + "\n\n")
+    path.write_text("\n".join(story_dataset(200, seed=3)["text"]) + "\n\n")  # packed: 25 blocks of 128 tokens
     r = run_recipe("baseline", tmp_path / "out", "--task", "causal-lm", "--train_file", path, *FAST)
     assert r["eval_perplexity"] > 1
 

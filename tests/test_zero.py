@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 STEPS, GA, MICRO = 6, 2, 4
 COMMON = ("--task", "causal-lm", "--max_train_steps", STEPS, "--gradient_accumulation_steps", GA,
           "--per_device_train_batch_size", MICRO, "--max_train_samples", 256, "--max_eval_samples", 64,
-          "--disable_dropout", "--logging_steps", 3)
+          "--disable_dropout", "--logging_steps", 3,
+          "--learning_rate", 1e-3)  # random weights loaded from a directory: not the 5e-5 of a pretrained model
 PARITY_TOL = 1e-5  # fp32: max |param difference| vs DDP after STEPS optimizer steps (measured ~1e-7, see report)
 JSON_EXAMPLE = CONFIGS / "ds_config_zero3_auto.json"
 
@@ -274,7 +275,7 @@ def test_zero3_nvme_offload_end_to_end(tmp_path):
     # An 8192 x 128 embedding: partitions over 1 MiB, which DeepSpeed swaps (smaller ones it never does).
     model_dir = causal_lm_dir(tmp_path / "model", vocab_size=8192, n_embd=128)
     r = launch("zero3_offload", tmp_path / "out", "--task", "causal-lm", "--model_name_or_path", model_dir,
-               "--max_train_steps", 6, "--max_train_samples", 128, "--max_eval_samples", 32,
+               "--learning_rate", 1e-3, "--max_train_steps", 6, "--max_train_samples", 128, "--max_eval_samples", 32,
                "--logging_steps", 3, "--offload", "nvme", "--nvme_path", nvme, config="zero3_nvme.yaml")
     assert r["offload_param_device"] == "nvme" and r["offload_optimizer_device"] == "nvme"
     assert r["num_processes"] == 2 and r["train_loss"] < r["initial_loss"]
