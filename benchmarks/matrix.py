@@ -28,13 +28,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Imported once here, before any fork: what every recipe imports (no tensor is computed in this process).
+# Imported once here, before any fork: what every recipe imports (no tensor is computed in this process), so each
+# forked run shares these pages (FORKED_RUNTIME_BYTES, shared/plan.py). The core imports transformers' model classes
+# and DTensor only where they are used (a fast --help), so they are named here.
 import accelerate  # noqa: F401
 import datasets  # noqa: F401
 import torch
+import torch.distributed.tensor  # noqa: F401
 import transformers  # noqa: F401
 import yaml
 from tqdm.auto import tqdm
+from transformers import (  # noqa: F401
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageClassification,
+    AutoModelForSequenceClassification,
+    BertConfig,
+    GPT2Config,
+    ViTConfig,
+)
 
 from shared import args as _args  # noqa: F401
 from shared import checkpoint, data, launch, meter, models, optim, results, tasks  # noqa: F401
