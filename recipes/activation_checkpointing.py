@@ -24,7 +24,7 @@ from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.guard import DivergenceGuard
-from shared.launch import resolve_launch, start_run
+from shared.launch import entrypoint, resolve_launch, start_run
 from shared.meter import Meter, checkpointing_probe
 from shared.models import transformer_layers
 from shared.optim import optimizer_and_scheduler, total_steps
@@ -74,6 +74,7 @@ def disable_checkpointing(model: nn.Module, impl: str) -> None:
             layers[i] = block.block
 
 
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).

@@ -19,14 +19,14 @@ from accelerate.utils import DeepSpeedPlugin, GradientAccumulationPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
+from shared.args import COUNT, parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.chunked_loss import ChunkedLoss, check_args
 from shared.compat import sharding_of
 from shared.data import endless_batches
 from shared.deepspeed_setup import add_deepspeed_args, resolve_deepspeed_config, zero_config
 from shared.guard import DivergenceGuard
-from shared.launch import resolve_launch, start_run
+from shared.launch import entrypoint, resolve_launch, start_run
 from shared.meter import Meter
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.preflight import stop_if_preflight
@@ -37,13 +37,14 @@ RECIPE = "chunked_loss"
 
 
 def add_args(p):
-    p.add_argument("--loss_chunk_size", type=int, default=1024,
+    p.add_argument("--loss_chunk_size", type=COUNT, default=1024,
                    help="Tokens per chunk. A chunk's fp32 logits take chunk x vocabulary x 4 bytes (196 MiB at GPT-2's "
                         "50257); smaller chunks save a little more and make more head calls (under ZeRO-3, each one "
                         "gathers the head's weight).")
     add_deepspeed_args(p)
 
 
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__, task="causal-lm")
     check_args(args)  # only a causal LM has vocabulary logits to chunk: refused before anything loads

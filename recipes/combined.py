@@ -20,7 +20,7 @@ from accelerate.utils import DeepSpeedPlugin, GradientAccumulationPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
+from shared.args import COUNT, parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.compat import offload_of, sharding_of
 from shared.data import endless_batches
@@ -34,7 +34,7 @@ from shared.deepspeed_setup import (
     zero_config,
 )
 from shared.guard import DivergenceGuard
-from shared.launch import resolve_launch, start_run
+from shared.launch import entrypoint, resolve_launch, start_run
 from shared.meter import Meter
 from shared.models import AUTO_CLASSES, HEAD_NAMES
 from shared.optim import optimizer_and_scheduler, total_steps
@@ -51,8 +51,8 @@ def add_args(p):
     p.add_argument("--optim", default="adamw", choices=("adamw", "adamw_8bit"),
                    help="adamw_8bit: bitsandbytes' AdamW8bit (moments in 8 bits).")
     p.add_argument("--lora", action="store_true", help="Train LoRA adapters (PEFT) on a frozen base model.")
-    p.add_argument("--lora_r", type=int, default=8)
-    p.add_argument("--lora_alpha", type=int, default=16)
+    p.add_argument("--lora_r", type=COUNT, default=8)
+    p.add_argument("--lora_alpha", type=COUNT, default=16)
     p.add_argument("--load_in", default="full", choices=("full", "8bit", "4bit"),
                    help="Base weights: full precision, or quantized by bitsandbytes (needs --lora).")
     p.add_argument("--bnb_4bit_quant_storage", default="uint8", choices=("uint8", "bfloat16", "float16", "float32"),
@@ -60,6 +60,7 @@ def add_args(p):
     add_deepspeed_args(p)
 
 
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     ds_config = plugin = None

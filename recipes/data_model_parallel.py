@@ -25,11 +25,11 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
+from shared.args import COUNT, parse_args
 from shared.checkpoint import checkpoint_per_process, maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.guard import DivergenceGuard
-from shared.launch import resolve_launch, start_run
+from shared.launch import entrypoint, resolve_launch, start_run
 from shared.meter import Meter
 from shared.models import transformer_layers
 from shared.optim import optimizer_and_scheduler, total_steps
@@ -53,12 +53,13 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}  # classes of tor
 
 
 def add_args(p):
-    p.add_argument("--pipeline_stages", type=int, default=2, help="Stages per replica; replicas = processes / this.")
+    p.add_argument("--pipeline_stages", type=COUNT, default=2, help="Stages per replica; replicas = processes / this.")
     p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
-    p.add_argument("--n_microbatches", type=int, default=2, help="Micro-batches per batch; must divide it.")
+    p.add_argument("--n_microbatches", type=COUNT, default=2, help="Micro-batches per batch; must divide it.")
     p.add_argument("--layers_per_stage", default=None, help="Blocks per stage, e.g. 1,3. Unset: an even split.")
 
 
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     if args.per_device_train_batch_size % args.n_microbatches or args.gradient_accumulation_steps != 1:

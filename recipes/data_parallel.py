@@ -19,11 +19,11 @@ from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
+from shared.args import COUNT, parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.guard import DivergenceGuard
-from shared.launch import resolve_launch, start_run
+from shared.launch import entrypoint, resolve_launch, start_run
 from shared.meter import Meter
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.preflight import stop_if_preflight
@@ -36,10 +36,11 @@ RECIPE = "data_parallel"
 def add_args(p):
     p.add_argument("--compare_to", default=None,
                    help="results.json of a 1-process run with the same flags: report the speed-up against it.")
-    p.add_argument("--bucket_cap_mb", type=int, default=25,
+    p.add_argument("--bucket_cap_mb", type=COUNT, default=25,
                    help="DDP all-reduces gradients in buckets of this size, overlapped with the backward pass.")
 
 
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     reference = None

@@ -21,7 +21,7 @@ from shared.args import parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.guard import DivergenceGuard
-from shared.launch import resolve_launch, start_run
+from shared.launch import entrypoint, resolve_launch, start_run
 from shared.meter import Meter
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.preflight import stop_if_preflight
@@ -35,6 +35,7 @@ def add_args(p):
     """This recipe's own flags (none: --gradient_accumulation_steps is common to all, 4 by default here)."""
 
 
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__, gradient_accumulation_steps=4)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).

@@ -18,11 +18,11 @@ from accelerate.utils import GradientAccumulationPlugin, GradScalerKwargs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
+from shared.args import COUNT, number, parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.guard import DivergenceGuard
-from shared.launch import resolve_launch, start_run
+from shared.launch import entrypoint, resolve_launch, start_run
 from shared.meter import Meter
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.preflight import stop_if_preflight
@@ -33,11 +33,13 @@ RECIPE = "mixed_precision"
 
 
 def add_args(p):
-    p.add_argument("--init_loss_scale", type=float, default=2.0**16, help="fp16: the first loss scale.")
-    p.add_argument("--loss_scale_growth_interval", type=int, default=2000,
+    p.add_argument("--init_loss_scale", type=number(float, above=0), default=2.0**16,
+                   help="fp16: the first loss scale.")
+    p.add_argument("--loss_scale_growth_interval", type=COUNT, default=2000,
                    help="fp16: clean steps before the scale doubles.")
 
 
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # fp16 unless the flag or the accelerate config says otherwise; the scaler settings apply to fp16 only.

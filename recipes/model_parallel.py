@@ -20,11 +20,11 @@ from accelerate.utils import GradientAccumulationPlugin, send_to_device
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
+from shared.args import COUNT, parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.guard import DivergenceGuard
-from shared.launch import resolve_launch, start_run
+from shared.launch import entrypoint, resolve_launch, start_run
 from shared.meter import Meter
 from shared.models import transformer_layers
 from shared.optim import optimizer_and_scheduler, total_steps
@@ -38,7 +38,7 @@ logger = logging.getLogger("recipes")
 
 
 def add_args(p):
-    p.add_argument("--num_stages", type=int, default=None,
+    p.add_argument("--num_stages", type=COUNT, default=None,
                    help="Unset: one stage per visible GPU; on a machine with fewer than 2 GPUs, 2 stages on the CPU.")
     p.add_argument("--layers_per_stage", default=None, help="Blocks per stage, e.g. 1,3. Unset: an even split.")
 
@@ -76,6 +76,7 @@ def place_stages(model: torch.nn.Module, layer_ranges: list[range], devices: lis
             module.register_forward_pre_hook(functools.partial(_inputs_to, own[0].device), with_kwargs=True)
 
 
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).

@@ -19,11 +19,11 @@ from accelerate.utils import GradientAccumulationPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
+from shared.args import number, parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.guard import DivergenceGuard
-from shared.launch import resolve_launch, start_run
+from shared.launch import entrypoint, resolve_launch, start_run
 from shared.meter import Meter
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.preflight import stop_if_preflight
@@ -36,12 +36,13 @@ RECIPE = "optim_8bit"
 def add_args(p):
     p.add_argument("--paged", action="store_true",
                    help="PagedAdamW8bit: state in CUDA unified memory, paged to CPU RAM under memory pressure.")
-    p.add_argument("--min_8bit_size", type=int, default=4096,
+    p.add_argument("--min_8bit_size", type=number(int, low=0), default=4096,
                    help="Tensors with fewer elements keep 32-bit state (bitsandbytes' default).")
-    p.add_argument("--percentile_clipping", type=int, default=100,
+    p.add_argument("--percentile_clipping", type=number(int, low=1, high=100), default=100,
                    help="Clip gradients at this percentile of the last 100 gradient norms (100: off).")
 
 
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).

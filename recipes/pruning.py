@@ -24,11 +24,11 @@ from transformers.pytorch_utils import Conv1D
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
+from shared.args import COUNT, number, parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.guard import DivergenceGuard
-from shared.launch import resolve_launch, start_run
+from shared.launch import entrypoint, resolve_launch, start_run
 from shared.meter import Meter
 from shared.models import transformer_layers
 from shared.optim import optimizer_and_scheduler, total_steps
@@ -41,12 +41,13 @@ QKV = ("query", "key", "value", "q_proj", "k_proj", "v_proj", "c_attn")
 
 
 def add_args(p):
-    p.add_argument("--target_sparsity", type=float, default=0.5, help="Fraction of the pruned weights set to 0.")
+    p.add_argument("--target_sparsity", type=number(float, low=0, below=1), default=0.5,
+                   help="Fraction of the pruned weights set to 0.")
     p.add_argument("--pruning_scope", default="global", choices=("global", "layer"))
     p.add_argument("--pruning_structure", default="unstructured", choices=("unstructured", "rows", "heads"))
-    p.add_argument("--pruning_start_step", type=int, default=0)
-    p.add_argument("--pruning_end_step", type=int, default=None, help="Default: 70%% of the training steps.")
-    p.add_argument("--pruning_frequency", type=int, default=None, help="Steps between prunings; default: 10 rounds.")
+    p.add_argument("--pruning_start_step", type=number(int, low=0), default=0)
+    p.add_argument("--pruning_end_step", type=COUNT, default=None, help="Default: 70%% of the training steps.")
+    p.add_argument("--pruning_frequency", type=COUNT, default=None, help="Steps between prunings; default: 10 rounds.")
 
 
 def prunable(model, structure):
@@ -125,10 +126,9 @@ def cubic_sparsity(step: int, args) -> float:
     return args.target_sparsity * (1 - (1 - t) ** 3)
 
 
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
-    if not 0 <= args.target_sparsity < 1:
-        raise SystemExit(f"--target_sparsity must be in [0, 1), got {args.target_sparsity}.")
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
     launch = resolve_launch(args, RECIPE)
     accelerator = Accelerator(

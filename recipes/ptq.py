@@ -19,7 +19,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.args import parse_args
-from shared.launch import resolve_launch, start_run
+from shared.launch import entrypoint, resolve_launch, start_run
 from shared.models import transformer_layers
 from shared.quant import conv1d_to_linear, dir_bytes
 from shared.tasks import load_task
@@ -31,6 +31,7 @@ def add_args(p):
     """This recipe's own flags (none: it quantizes the model it is given)."""
 
 
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     if not args.model_name_or_path:

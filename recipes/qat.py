@@ -22,11 +22,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
+from shared.args import COUNT, parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.guard import DivergenceGuard
-from shared.launch import resolve_launch, start_run
+from shared.launch import entrypoint, resolve_launch, start_run
 from shared.meter import Meter
 from shared.models import transformer_layers
 from shared.optim import optimizer_and_scheduler, total_steps
@@ -40,13 +40,14 @@ RECIPE = "qat"
 
 def add_args(p):
     p.add_argument("--weight_bits", type=int, default=4, choices=(4, 8))
-    p.add_argument("--group_size", type=int, default=32, help="Weights per quantization scale.")
+    p.add_argument("--group_size", type=COUNT, default=32, help="Weights per quantization scale.")
 
 
 def prefixed(metrics: dict, prefix: str) -> dict:
     return {f"{prefix}_{k.removeprefix('eval_')}": v for k, v in metrics.items()}
 
 
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__, learning_rate=1e-4)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).

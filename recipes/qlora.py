@@ -23,12 +23,12 @@ from accelerate.utils import GradientAccumulationPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
+from shared.args import COUNT, number, parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.deepspeed_setup import gathered_parameters
 from shared.guard import DivergenceGuard
-from shared.launch import resolve_launch, start_run
+from shared.launch import entrypoint, resolve_launch, start_run
 from shared.meter import Meter
 from shared.models import AUTO_CLASSES, HEAD_NAMES
 from shared.optim import optimizer_and_scheduler, total_steps
@@ -50,9 +50,9 @@ def add_args(p):
     p.add_argument("--device_map", default="process", choices=("process", "auto"),
                    help="process: each process holds its whole quantized copy on its own device (DDP or 1 process). "
                         "auto: spread one copy over all visible devices (1 process only).")
-    p.add_argument("--lora_r", type=int, default=8)
-    p.add_argument("--lora_alpha", type=int, default=16)
-    p.add_argument("--lora_dropout", type=float, default=0.05)
+    p.add_argument("--lora_r", type=COUNT, default=8)
+    p.add_argument("--lora_alpha", type=COUNT, default=16)
+    p.add_argument("--lora_dropout", type=number(float, low=0, below=1), default=0.05)
     p.add_argument("--lora_target_modules", default="all-linear",
                    help="Comma-separated module names, or all-linear (every Linear but the output layer).")
     p.add_argument("--no_gradient_checkpointing", action="store_true")
@@ -60,6 +60,7 @@ def add_args(p):
                    help="Also write a merged full-precision model to <output_dir>/merged.")
 
 
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).

@@ -28,7 +28,7 @@ from shared.deepspeed_setup import (
     zero_config,
 )
 from shared.guard import DivergenceGuard
-from shared.launch import resolve_launch, start_run
+from shared.launch import entrypoint, resolve_launch, start_run
 from shared.meter import Meter
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.preflight import stop_if_preflight
@@ -44,6 +44,7 @@ def add_args(group):
     add_deepspeed_args(group)
 
 
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # The recipe's DeepSpeed settings; "auto" ones are filled from the flags. An accelerate config or a DeepSpeed

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from collections.abc import Callable, Sequence
 
 TASKS = ("text-classification", "causal-lm", "image-classification")
@@ -10,6 +12,43 @@ PACKING = ("concat", "per_document", "none")  # shared/packing.py
 # Resolved after parsing when --learning_rate is unset: fine-tuning pretrained weights (the Transformers examples'
 # default) wants a far smaller step than training a randomly initialised preset from scratch.
 PRETRAINED_LR, FROM_SCRATCH_LR = 5e-5, 1e-3
+
+
+def number(kind: type = int, low: float | None = None, high: float | None = None, above: float | None = None,
+           below: float | None = None, note: str = "") -> Callable[[str], float]:
+    """An argparse `type` that refuses a value out of range at parse time: `low`/`high` inclusive, `above`/`below`
+    exclusive; `note` says what the bound means. NaN and infinities are never a valid setting."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        bounds = [(low, value >= low if low is not None else True, "at least"),
+                  (high, value <= high if high is not None else True, "at most"),
+                  (above, value > above if above is not None else True, "greater than"),
+                  (below, value < below if below is not None else True, "less than")]
+        wrong = [f"{words} {bound:g}" for bound, ok, words in bounds if bound is not None and not ok]
+        if kind is float and not math.isfinite(value):
+            wrong.append("finite")
+        if wrong:
+            raise argparse.ArgumentTypeError(f"must be {' and '.join(wrong)}{note}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+COUNT = number(int, low=1)  # batch sizes, steps, lengths: 0 would silently do nothing
+STEPS = number(int, low=1, note=" (unset: never)")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # under a launcher: shown once, in its summary (entrypoint)
+            raise SystemExit(f"{self.prog}: error: {message}")
+        super().error(message)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -29,7 +68,7 @@ def parse_args(
     **defaults: object,
 ) -> argparse.Namespace:
     """Parse the common flags and the recipe's own; `defaults` override the common defaults for one recipe."""
-    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p = _Parser(description=description, formatter_class=HelpFormatter)
     g = p.add_argument_group("task and model")
     g.add_argument("--task", default="text-classification", choices=TASKS)
     g.add_argument("--model_name_or_path", default=None,
@@ -58,7 +97,7 @@ def parse_args(
                         "tokenizer gets (text, text_pair).")
     g.add_argument("--label_column", default=None)
     g.add_argument("--image_column", default=None)
-    g.add_argument("--max_seq_length", type=int, default=128,
+    g.add_argument("--max_seq_length", type=COUNT, default=128,
                    help="Tokens per sample: the block length when packed, the cut otherwise.")
     g.add_argument("--packing", default="concat", choices=PACKING,
                    help="causal-lm: how documents (rows, or lines of a .txt) become samples. concat: tokenized, "
@@ -69,39 +108,41 @@ def parse_args(
                         "causal mask and position_ids restarting at each document). none: one document per sample, "
                         "padded, and cut at --max_seq_length (what does not fit is lost; the run warns). Packed, "
                         "--max_train_samples and --max_eval_samples count blocks.")
-    g.add_argument("--dataloader_num_workers", type=int, default=0,
+    g.add_argument("--dataloader_num_workers", type=number(int, low=0), default=0,
                    help="Processes that load and collate batches (0: the training process itself). Memory is pinned "
                         "when the device is CUDA.")
-    g.add_argument("--max_train_samples", type=int, default=None)
-    g.add_argument("--max_eval_samples", type=int, default=None)
+    g.add_argument("--max_train_samples", type=COUNT, default=None)
+    g.add_argument("--max_eval_samples", type=COUNT, default=None)
 
     g = p.add_argument_group("training")
-    g.add_argument("--per_device_train_batch_size", type=int, default=16)
-    g.add_argument("--per_device_eval_batch_size", type=int, default=32)
-    g.add_argument("--learning_rate", type=float, default=None,
+    g.add_argument("--per_device_train_batch_size", type=COUNT, default=16)
+    g.add_argument("--per_device_eval_batch_size", type=COUNT, default=32)
+    g.add_argument("--learning_rate", type=number(float, above=0), default=None,
                    help=f"None: {PRETRAINED_LR:g} with --model_name_or_path (fine-tuning pretrained weights, as the "
                         f"Transformers examples), {FROM_SCRATCH_LR:g} for a --model_preset model (random weights).")
-    g.add_argument("--weight_decay", type=float, default=0.01)
-    g.add_argument("--num_train_epochs", type=float, default=2.0)
-    g.add_argument("--max_train_steps", type=int, default=None, help="Overrides --num_train_epochs.")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    g.add_argument("--weight_decay", type=number(float, low=0), default=0.01)
+    g.add_argument("--num_train_epochs", type=number(float, above=0), default=2.0)
+    g.add_argument("--max_train_steps", type=COUNT, default=None, help="Overrides --num_train_epochs.")
+    g.add_argument("--gradient_accumulation_steps", type=COUNT, default=1)
     g.add_argument("--lr_scheduler_type", default="linear",
                    choices=("linear", "cosine", "constant", "constant_with_warmup", "polynomial"))
-    g.add_argument("--num_warmup_steps", type=int, default=0)
-    g.add_argument("--max_grad_norm", type=float, default=1.0, help="0 disables clipping.")
+    g.add_argument("--num_warmup_steps", type=number(int, low=0), default=0)
+    g.add_argument("--max_grad_norm", default=1.0,
+                   type=number(float, low=0, note=" (0: no clipping; a negative norm would flip the gradient)"),
+                   help="0 disables clipping.")
     g.add_argument("--mixed_precision", default=None, choices=("no", "fp16", "bf16"),
                    help="Unset: the accelerate config's value, else the recipe's default.")
-    g.add_argument("--seed", type=int, default=42)
-    g.add_argument("--ddp_timeout", type=int, default=1800,
+    g.add_argument("--seed", type=number(int, low=0), default=42)
+    g.add_argument("--ddp_timeout", type=COUNT, default=1800,
                    help="Seconds a process waits for the others in a collective before failing.")
 
     g = p.add_argument_group("output")
     g.add_argument("--output_dir", default=None, help="Default: outputs/<recipe>-<task>.")
-    g.add_argument("--checkpointing_steps", type=int, default=None, help="Save a resumable checkpoint every N steps.")
-    g.add_argument("--save_total_limit", type=int, default=None, help="Keep only the newest N checkpoints.")
+    g.add_argument("--checkpointing_steps", type=STEPS, default=None, help="Save a resumable checkpoint every N steps.")
+    g.add_argument("--save_total_limit", type=COUNT, default=None, help="Keep only the newest N checkpoints.")
     g.add_argument("--resume_from_checkpoint", default=None, help="A checkpoint directory, or 'latest' in output_dir.")
     g.add_argument("--report_to", default="tensorboard", help="Tracker(s) for Accelerate, comma-separated, or 'none'.")
-    g.add_argument("--logging_steps", type=int, default=10)
+    g.add_argument("--logging_steps", type=COUNT, default=10)
     g.add_argument("--no_save_model", action="store_true", help="Skip saving the final model (tests, benchmarks).")
     g.add_argument("--preflight", action="store_true",
                    help="Resolve and check the configuration, print it, and stop before the first step.")
@@ -119,14 +160,13 @@ def parse_args(
     marker = object()
     probe = p.parse_args(argv, namespace=argparse.Namespace(**{a.dest: marker for a in p._actions}))
     args.explicit_flags = {k for k, v in vars(probe).items() if v is not marker}
-    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "max_seq_length"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if args.max_train_steps is not None and args.max_train_steps < 1:
-        p.error(f"--max_train_steps must be at least 1, got {args.max_train_steps}")
-    if args.dataloader_num_workers < 0:
-        p.error(f"--dataloader_num_workers must be 0 or more, got {args.dataloader_num_workers}")
+    # Combinations that would silently do less than asked.
+    if args.save_total_limit is not None and args.checkpointing_steps is None:
+        p.error("--save_total_limit keeps the newest N checkpoints, but none are written without "
+                "--checkpointing_steps. Pass --checkpointing_steps N too, or drop --save_total_limit.")
+    if args.max_train_steps is not None and args.num_warmup_steps >= args.max_train_steps:
+        p.error(f"--num_warmup_steps {args.num_warmup_steps} >= --max_train_steps {args.max_train_steps}: the "
+                "learning rate would never reach --learning_rate. Lower --num_warmup_steps.")
     if args.learning_rate is None:  # a recipe's own default (parse_args(learning_rate=...)) is not None: kept
         args.learning_rate = PRETRAINED_LR if args.model_name_or_path else FROM_SCRATCH_LR
     return args

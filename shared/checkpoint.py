@@ -194,7 +194,11 @@ def resume(accelerator, args: argparse.Namespace) -> tuple[int, int]:
     path = find_checkpoint(args)
     if path is None:
         return 0, 0
-    accelerator.load_state(str(path))
     state = json.loads((path / STATE_FILE).read_text())
+    if args.max_train_steps and state["step"] >= args.max_train_steps:
+        # Nothing would train: the run would end with no loss to report (train_loss None) and save the same model.
+        raise SystemExit(f"{path} is at step {state['step']}, and this run has {args.max_train_steps} steps: nothing "
+                         "is left to train. Raise --max_train_steps (or --num_train_epochs) to train on.")
+    accelerator.load_state(str(path))
     logger.info("resumed from %s at step %d", path, state["step"])
     return state["step"], state["micro_batches"]

@@ -28,6 +28,7 @@ class Support:
     max_processes: int | None = None
     needs_offload: bool = False
     instead: str = ""  # where to go for the shardings it does not run
+    own_attention_mask: bool = False  # its pipeline stages run the blocks with a plain causal mask
 
 
 _SHARDED = "recipes/zero.py (ZeRO), recipes/fsdp.py (FSDP) or recipes/combined.py (this technique with sharding)"
@@ -43,9 +44,10 @@ RECIPES: dict[str, Support] = {
     "ptq": Support(shardings=("none",), max_processes=1, instead="`python recipes/ptq.py` (one process)"),
     "model_parallel": Support(shardings=("none",), max_processes=1,
                               instead="recipes/data_model_parallel.py for stages with data-parallel replicas"),
-    "pipeline_parallel": Support(shardings=("ddp",), min_processes=2, instead="accelerate_configs/pipeline.yaml"),
+    "pipeline_parallel": Support(shardings=("ddp",), min_processes=2, instead="accelerate_configs/pipeline.yaml",
+                                 own_attention_mask=True),
     "data_model_parallel": Support(shardings=("ddp",), min_processes=4,
-                                   instead="accelerate_configs/data_model_parallel.yaml"),
+                                   instead="accelerate_configs/data_model_parallel.yaml", own_attention_mask=True),
     "zero": Support(shardings=_ZERO, accumulates=True, instead="accelerate_configs/zero1.yaml, zero2.yaml, zero3.yaml"),
     "zero3_offload": Support(shardings=_ZERO, accumulates=True, needs_offload=True,
                              instead="accelerate_configs/zero3_offload.yaml, zero2_offload.yaml or zero3_nvme.yaml"),
@@ -75,6 +77,7 @@ class Run:
     spread_devices: bool = False  # one model over several devices (device_map="auto")
     merge_unsaved: bool = False  # merge an adapter that is not saved
     stages_per_replica: int = 0  # pipeline stages inside each data-parallel replica (0: no such mesh)
+    packing: str = "none"  # causal LM: concat | per_document | none (shared/packing.py)
     flags: Mapping[str, str] = field(default_factory=dict)
 
     def flag(self, name: str) -> str:
@@ -153,6 +156,10 @@ RULES: tuple[Rule, ...] = (
                    f"{r.stages_per_replica} stages ({r.flag('stages_per_replica')} must be at least 2)",
          lambda r: f"launch a multiple of {r.stages_per_replica} processes (e.g. --num_processes "
                    f"{2 * max(r.stages_per_replica, 2)}), or use recipes/pipeline_parallel.py for one replica"),
+    Rule(lambda r: r.packing == "per_document" and RECIPES[r.recipe].own_attention_mask,
+         lambda r: f"--packing per_document: recipes/{r.recipe}.py runs the model through its own pipeline stages, "
+                   "whose plain causal mask would let packed documents attend to each other",
+         lambda r: "use --packing concat or --packing none with it"),
     Rule(lambda r: r.merge_unsaved,
          lambda r: f"{r.flag('merge_unsaved')} merges the saved adapter, and --no_save_model skips saving it",
          lambda r: "drop one of them"),

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import datacheck
+
 # ---------------------------------------------------------------- built-in offline datasets (deterministic)
 _POSITIVE = "great excellent superb wonderful delightful brilliant enjoyable charming moving fresh clever".split()
 _NEGATIVE = "awful terrible boring dull dreadful poor painful mediocre bland clumsy tedious weak".split()
@@ -122,6 +124,10 @@ def check_paths(args: argparse.Namespace) -> None:
             if kind == "text" and args.task != "causal-lm":
                 raise SystemExit(f"--{flag} {path!r}: .txt has no labels; it serves --task causal-lm only. "
                                  "Use csv, json/jsonl or parquet with a label column.")
+    name = args.dataset_name
+    if name and name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists():
+        raise SystemExit(f"--dataset_name {name!r} does not exist. Pass an existing directory, a hub dataset id, "
+                         "or --train_file for a local file.")
     if (args.train_dir or args.validation_dir) and args.task != "image-classification":
         raise SystemExit("--train_dir/--validation_dir are image folders: use them with --task image-classification.")
     sources = [s for s in ("dataset_name", "train_file", "train_dir") if getattr(args, s)]
@@ -134,7 +140,8 @@ def check_paths(args: argparse.Namespace) -> None:
 
 
 def load_raw_splits(args: argparse.Namespace) -> tuple[object, object, str]:
-    """Train and validation splits (HF Datasets, or dicts of lists for the built-in data) and where they came from."""
+    """Train and validation splits (HF Datasets, or dicts of lists for the built-in data and image folders) and where
+    they came from; validation is None when the source has none (hold_out makes one)."""
     import datasets
 
     if args.train_dir:
@@ -142,39 +149,62 @@ def load_raw_splits(args: argparse.Namespace) -> tuple[object, object, str]:
         val = image_folder(args.validation_dir, classes=train["classes"]) if args.validation_dir else None
         source = f"image folder {args.train_dir}"
     elif args.train_file:
-        files = {"train": args.train_file}
-        if args.validation_file:
-            files["validation"] = args.validation_file
-        kind = _FILE_TYPES[Path(args.train_file).suffix.lower()]
-        try:
-            loaded = datasets.load_dataset(kind, data_files=files)
-        except ValueError as err:  # datasets' words for a file with a header and no rows
-            if "corresponds to no data" in str(err):
-                raise SystemExit(f"The training data ({args.train_file}) is empty. Pass a file with rows.") from None
-            raise
-        train, val = loaded["train"], loaded.get("validation")
+        train = _load_file(args.train_file)
+        val = _load_file(args.validation_file) if args.validation_file else None
+        if val is not None:
+            datacheck.check_same_columns(train.column_names, val.column_names, args.train_file, args.validation_file)
         source = f"file {args.train_file}"
     elif args.dataset_name:
-        loaded = datasets.load_dataset(args.dataset_name, args.dataset_config_name,
-                                       trust_remote_code=args.trust_remote_code or None)
+        try:
+            loaded = datasets.load_dataset(args.dataset_name, args.dataset_config_name,
+                                           trust_remote_code=args.trust_remote_code or None)
+        except (ConnectionError, FileNotFoundError) as err:  # datasets' words for offline, and for no such id
+            raise SystemExit(f"Could not load the hub dataset {args.dataset_name!r} ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0]}). Check the id and the network (HF_HUB_OFFLINE=1 forbids "
+                             "downloads), or pass local data: --train_file, or --train_dir for images.") from None
+        if "train" not in loaded:
+            raise SystemExit(f"The dataset {args.dataset_name!r} has no 'train' split (it has {sorted(loaded)}). "
+                             "Pass --dataset_config_name for a configuration with one, or its files as "
+                             "--train_file and --validation_file.")
         val_name = next((s for s in ("validation", "valid", "test") if s in loaded), None)
         train, val = loaded["train"], loaded[val_name] if val_name else None
         source = f"hub dataset {args.dataset_name}"
     else:
         return builtin_split(args.task, "train"), builtin_split(args.task, "validation"), "built-in offline dataset"
-    if isinstance(train, dict):  # image folder
-        if val is None:
-            train, val = _split_dict(train, seed=args.seed)
-        return train, val, source
-    if len(train) == 0:
+    if not isinstance(train, dict) and len(train) == 0:
         raise SystemExit(f"The training data ({source}) is empty.")
-    if val is None:  # hold out 10% for evaluation, the same rows for every seed
-        parts = train.train_test_split(test_size=0.1, seed=0)
-        train, val = parts["train"], parts["test"]
     return train, val, source
 
 
-def _split_dict(d: dict[str, list], seed: int) -> tuple[dict, dict]:
+def hold_out(train: object, val: object | None, source: str) -> tuple[object, object]:
+    """The validation split: the given one, else 10% of the training rows, the same rows for every seed. Called
+    after the row checks, so that a refusal's row numbers are the file's own."""
+    if val is not None:
+        return train, val
+    if isinstance(train, dict):  # image folder
+        datacheck.check_can_hold_out(len(train["label"]), source)
+        return _split_dict(train)
+    datacheck.check_can_hold_out(len(train), source)
+    parts = train.train_test_split(test_size=0.1, seed=0)
+    return parts["train"], parts["test"]
+
+
+def _load_file(path: str):
+    """One data file as a Dataset; a file that does not parse is refused with its name and first bad line."""
+    import datasets
+
+    kind = _FILE_TYPES[Path(path).suffix.lower()]
+    try:
+        return datasets.load_dataset(kind, data_files={"train": path}, split="train")
+    except ValueError as err:
+        if "corresponds to no data" in str(err):  # datasets' words for a file with a header and no rows
+            raise SystemExit(f"The data file {path} is empty. Pass a file with rows.") from None
+        raise datacheck.explain_unreadable(path, kind, err) from None
+    except datasets.exceptions.DatasetGenerationError as err:
+        raise datacheck.explain_unreadable(path, kind, err) from None
+
+
+def _split_dict(d: dict[str, list]) -> tuple[dict, dict]:
     n = len(d["label"])
     order = random.Random(0).sample(range(n), n)
     cut = max(1, n // 10)

@@ -4,8 +4,12 @@ the reason beside it. The recipe itself builds `Accelerator(...)`, with the argu
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import logging
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -13,12 +17,48 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import compat, quiet
 from .checkpoint import install_preemption_handler
 from .fsdp_cpu import force_fsdp_on_cpu
 
 logger = logging.getLogger("recipes")
+
+
+def entrypoint(main: Callable[..., dict | None]) -> Callable[..., dict | None]:
+    """A recipe's main(). Under `accelerate launch` or torchrun every process would print a refusal, and the
+    launcher's 30-line traceback would bury it: there each process writes it to torch elastic's error file instead,
+    and the launcher's failure summary, the last thing it prints, shows it as the reason the run stopped. A crash
+    is recorded there with its traceback (torch's `record`). Without a launcher a refusal prints as usual."""
+
+    @functools.wraps(main)
+    def run(argv: list[str] | None = None) -> dict | None:
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torch elastic in each child
+        if not error_file:
+            return main(argv)
+        try:
+            return record(main)(argv)
+        except SystemExit as exc:
+            if not isinstance(exc.code, str):
+                raise
+            _write_refusal(error_file, exc.code)
+            raise SystemExit(1) from None
+
+    return run
+
+
+def _write_refusal(error_file: str, message: str) -> None:
+    # A plain-string message is shown as it is (a dict would be shown as its traceback). The other local ranks
+    # refuse the same run with the same words: they point to local rank 0 rather than repeat it.
+    rank0_file = Path(error_file).parent.parent / "0" / Path(error_file).name
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        for _ in range(20):  # local rank 0 writes its file at about the same moment
+            if rank0_file.exists() and message in rank0_file.read_text():
+                message = "The same refusal as local rank 0 (its message is the root cause above)."
+                break
+            time.sleep(0.1)
+    Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
 
 
 def has_accelerator() -> bool:
@@ -79,9 +119,12 @@ def resolve_launch(
     on_cpu = not has_accelerator()
     run = compat.Run(recipe=recipe, sharding=sharding, launched=launched, offload=offload, num_processes=world,
                      precision=args.mixed_precision, on_accelerator=not on_cpu,
-                     accumulation=args.gradient_accumulation_steps, **asks)
+                     accumulation=args.gradient_accumulation_steps,
+                     packing=args.packing if args.task == "causal-lm" else "none", **asks)
     compat.check(run)  # the rule table: refused here, with the reason and the fix
     check_environment(args, uses_deepspeed=sharding.startswith("zero"))
+    check_output_dir(args.output_dir)
+    log_with = _trackers(args.report_to)
 
     # Two processes on two cores with torch's default thread count oversubscribe the CPU: a 3 s run took 83 s.
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:
@@ -106,7 +149,7 @@ def resolve_launch(
             # A MULTI_GPU config with `use_cpu: true` gives real gloo DDP only with cpu=True in the script;
             # without it every process reports DistributedType.NO and trains its own unsynced copy.
             cpu = True
-    return Launch(run=run, cpu=cpu, kwargs_handlers=[process_group], log_with=_trackers(args.report_to),
+    return Launch(run=run, cpu=cpu, kwargs_handlers=[process_group], log_with=log_with,
                   fsdp_plugin=fsdp_plugin)
 
 
@@ -169,15 +212,45 @@ def _trackers(report_to: str | None) -> list[str] | None:
     """The trackers named by --report_to; Accelerate would drop a missing one with a mere warning."""
     if report_to in ("none", "", None):
         return None
+    import difflib
+
     from accelerate.tracking import _available_trackers
+    from accelerate.utils import LoggerType
 
     names = [t.strip() for t in report_to.split(",") if t.strip()]
+    known = [t.value for t in LoggerType]
     available = {str(t.value) for t in _available_trackers}
+    for name in names:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            raise SystemExit(f"--report_to {name}: not a tracker Accelerate knows. "
+                             + (f"Did you mean {near[0]}? " if near else "")
+                             + f"Pick from {known[1:]} or 'none'.")
     missing = [n for n in names if n != "all" and n not in available]
     if missing:
-        raise SystemExit(f"--report_to {','.join(missing)}: not installed. `pip install {' '.join(missing)}`, "
+        packages = " ".join(_TRACKER_PACKAGES.get(n, n) for n in missing)
+        raise SystemExit(f"--report_to {','.join(missing)}: not installed. `pip install {packages}`, "
                          f"or pick from the installed trackers {sorted(available)} or 'none'.")
     return names
+
+
+_TRACKER_PACKAGES = {"comet_ml": "comet-ml"}  # the pip name, where it differs from the tracker's
+
+
+def check_output_dir(output_dir: str) -> None:
+    """An output directory that cannot be written would fail at the first checkpoint, or after training."""
+    import tempfile
+
+    path = Path(output_dir).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())  # created later; nothing is created here
+    if not existing.is_dir():
+        raise SystemExit(f"--output_dir {output_dir!r}: {existing} is a file, not a directory. Pass another path.")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise SystemExit(f"--output_dir {output_dir!r} cannot be written ({type(err).__name__}: {err.strerror or err})"
+                         ". Pass a directory you can write to.") from None
 
 
 def free_port() -> int:

@@ -74,10 +74,45 @@ def load_pretrained_config(args: argparse.Namespace, **overrides: object) -> Pre
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code,
-                                          **overrides)
+        config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code,
+                                            **overrides)
     except OSError as err:
         raise unreachable(args.model_name_or_path, err) from None
+    check_fits_task(config, args.task, args.model_name_or_path)
+    return config
+
+
+def check_fits_task(config: PretrainedConfig, task: str, name: str) -> None:
+    """A model whose architecture has no head for the task, or would train it wrongly, is refused before loading."""
+    from transformers.models.auto import modeling_auto
+
+    mappings = {"text-classification": modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+                "causal-lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                "image-classification": modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}
+    kind = config.model_type
+    if getattr(config, "auto_map", None):  # remote code brings its own classes: Transformers' tables don't know
+        return
+    if kind not in mappings[task]:
+        serves = [t for t, m in mappings.items() if kind in m]
+        raise SystemExit(f"{name!r} is a {kind} model, which has no {task} head in Transformers. "
+                         + (f"Pass --task {' or --task '.join(serves)}, or " if serves else "Pass ")
+                         + f"a model built for {task}.")
+    bidirectional = (task == "causal-lm" and kind in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+                     and not getattr(config, "is_decoder", False) and not getattr(config, "is_encoder_decoder", False))
+    if bidirectional:
+        # Its attention sees every position: as a causal LM each token would see the one it predicts, and the loss
+        # would fall to 0 having learned nothing.
+        raise SystemExit(f"{name!r} is a bidirectional {kind} encoder: as a causal LM each token would attend to "
+                         "the token it predicts. Use a decoder model (GPT-2, Llama ...), or set \"is_decoder\": true "
+                         "in its config.json.")
+
+
+def check_positions(config: PretrainedConfig, max_seq_length: int) -> None:
+    """Tokens past the position embeddings crash the forward pass mid-run (an index error in the embedding)."""
+    positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if positions and max_seq_length > positions:
+        raise SystemExit(f"--max_seq_length {max_seq_length} exceeds the model's {positions} positions. "
+                         f"Pass --max_seq_length {positions} or less.")
 
 
 def build_model(args: argparse.Namespace, config: PretrainedConfig) -> nn.Module:

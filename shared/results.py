@@ -24,7 +24,14 @@ REQUIRED_FIELDS = (
 def finish(accelerator, args: argparse.Namespace, recipe: str, task, model: torch.nn.Module, eval_dataloader,
            meter, extras: dict | None = None) -> dict:
     """Evaluate, write results.json, save the model as safetensors, close the trackers. Returns the results."""
-    metrics = task.evaluate(model, eval_dataloader, accelerator)
+    try:
+        metrics = task.evaluate(model, eval_dataloader, accelerator)
+    except Exception:
+        # Training is done and is the costly part: keep it before the failure is reported.
+        if not args.no_save_model:
+            save_model(accelerator, model, task, args.output_dir)
+            logger.error("evaluation failed after training; the trained model is saved in %s", args.output_dir)
+        raise
     results = collect_results(accelerator, args, recipe, task, meter, metrics, extras)
     if not args.no_save_model:
         save_model(accelerator, model, task, args.output_dir)

@@ -6,18 +6,18 @@ import argparse
 import logging
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import data, datastats, models, packing
+from . import data, datacheck, datastats, models, packing
 
 logger = logging.getLogger("recipes")
-# Recipes whose pipeline stages run the blocks themselves with a plain causal mask (shared/pipeline_stages.py):
-# packed documents would attend to each other there.
-_OWN_ATTENTION_MASK = ("pipeline_parallel", "data_model_parallel")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
+                    "spiece.model", "sentencepiece.bpe.model")
 _NO_EXAMPLES = "The training data ({source}) has no usable examples. Check the file and the columns."
 
 
@@ -107,14 +107,11 @@ def load_task(args: argparse.Namespace, accelerator) -> Task:
     """Data, tokenizer and model for args.task. Bad input fails here, before any training step."""
     data.check_paths(args)
     models.check_model_path(args.model_name_or_path)
+    if args.model_name_or_path:
+        models.load_pretrained_config(args)  # a model that cannot serve the task fails before the data is read
     if args.text_pair_column and args.task != "text-classification":
         raise SystemExit(f"--text_pair_column serves --task text-classification (sentence pairs), not {args.task}. "
                          "Drop it, or pass --task text-classification.")
-    recipe = getattr(args, "recipe", None)
-    if args.task == "causal-lm" and args.packing == "per_document" and recipe in _OWN_ATTENTION_MASK:
-        raise SystemExit(f"--packing per_document: recipes/{recipe}.py runs the model through its own pipeline "
-                         "stages, whose plain causal mask would let packed documents attend to each other. "
-                         "Use --packing concat or --packing none with it.")
     with accelerator.main_process_first():  # the first process fills the datasets cache, the others reuse it
         train_raw, val_raw, source = data.load_raw_splits(args)
     loader = {"text-classification": _text_classification, "causal-lm": _causal_lm,
@@ -132,6 +129,11 @@ def load_task(args: argparse.Namespace, accelerator) -> Task:
                          f"({what}). Lower --per_device_train_batch_size{' or --max_seq_length' if packed else ''} "
                          "or add data.")
     return task
+
+
+def _given_splits(train: object, val: object | None) -> list[tuple[str, object]]:
+    """The splits as the source holds them (before any hold-out), so that checks name the source's own rows."""
+    return [("training", train)] + ([("validation", val)] if val is not None else [])
 
 
 def _limit(split: object, n: int | None) -> object:
@@ -168,6 +170,12 @@ def _tokenizer(args, texts: list[str]):
         return data.build_word_tokenizer(texts, args.task)
     from transformers import AutoTokenizer
 
+    if Path(name).is_dir() and not any((Path(name) / f).exists() for f in _TOKENIZER_FILES):
+        # Transformers would guess a tokenizer class from config.json and ask for its dependencies (sentencepiece).
+        flag = "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path"
+        raise SystemExit(f"{flag} {name!r} holds no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])} ...). Pass "
+                         "--tokenizer_name with the tokenizer's directory or hub id (the checkpoint the model came "
+                         "from), or save it there with tokenizer.save_pretrained(dir).")
     try:
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
     except OSError as err:
@@ -177,14 +185,6 @@ def _tokenizer(args, texts: list[str]):
     return tok
 
 
-def _label_mapping(train_labels: list, val_labels: list) -> tuple[list, dict]:
-    """Integer labels stay as they are; string labels are numbered in sorted order."""
-    if all(isinstance(v, (int, bool)) for v in train_labels):
-        return sorted(set(train_labels) | set(val_labels)), {}
-    names = sorted({str(v) for v in train_labels} | {str(v) for v in val_labels})
-    return names, {n: i for i, n in enumerate(names)}
-
-
 def _text_classification(args, accelerator, train_raw, val_raw, source) -> Task:
     cols = data.column_names(train_raw)
     text_col = data.pick_column(cols, args.text_column, data._TEXT_GUESSES, "text", "text_column")
@@ -192,17 +192,22 @@ def _text_classification(args, accelerator, train_raw, val_raw, source) -> Task:
     pair_col = (data.pick_column(cols, args.text_pair_column, (), "text pair", "text_pair_column")
                 if args.text_pair_column else None)
     label_col = data.pick_column(cols, args.label_column, data._LABEL_GUESSES, "label", "label_column")
+    for split, ds in _given_splits(train_raw, val_raw):
+        for col in filter(None, (text_col, pair_col)):
+            datacheck.check_texts(list(ds[col]), col, split)
+        datacheck.check_label_values(list(ds[label_col]), label_col, split)
+    train_raw, val_raw = data.hold_out(train_raw, val_raw, source)
     train_raw, val_raw = _limit(train_raw, args.max_train_samples), _limit(val_raw, args.max_eval_samples)
     train_ds, val_ds = _to_dataset(train_raw), _to_dataset(val_raw)
-    labels, mapping = _label_mapping(list(train_ds[label_col]), list(val_ds[label_col]))
-    num_labels = len(mapping) if mapping else int(max(labels)) + 1
+    labels, mapping = datacheck.label_set(list(train_ds[label_col]), list(val_ds[label_col]), label_col)
+    to_id = datacheck.label_index(mapping)
     texts = list(train_ds[text_col]) + (list(train_ds[pair_col]) if pair_col else [])
     tokenizer = _tokenizer(args, texts)
 
     def encode(batch):
         pairs = (batch[pair_col],) if pair_col else ()
         enc = tokenizer(batch[text_col], *pairs, truncation=True, max_length=args.max_seq_length)
-        enc["labels"] = [mapping[str(v)] if mapping else int(v) for v in batch[label_col]]
+        enc["labels"] = [to_id(v) for v in batch[label_col]]
         return enc
 
     with accelerator.main_process_first():
@@ -210,17 +215,18 @@ def _text_classification(args, accelerator, train_raw, val_raw, source) -> Task:
     from transformers import DataCollatorWithPadding
 
     if args.model_name_or_path:
-        extra = {"id2label": {i: n for i, n in enumerate(mapping)}} if mapping else {}
-        config = models.load_pretrained_config(args, num_labels=num_labels, **extra)
+        extra = {"id2label": dict(enumerate(labels))} if mapping else {}
+        config = models.load_pretrained_config(args, num_labels=len(labels), **extra)
         if getattr(config, "pad_token_id", None) is None:
             # Decoder-only classifiers (GPT-2, Llama) score the last token that is not padding and refuse a batch
             # of more than one without a pad id: the tokenizer's (its EOS, for GPT-2-style tokenizers).
             config.pad_token_id = tokenizer.pad_token_id
     else:
         config = models.preset_config(args.task, args.model_preset, vocab_size=_vocab(tokenizer, args),
-                                      num_labels=num_labels, pad_token_id=tokenizer.pad_token_id)
+                                      num_labels=len(labels), pad_token_id=tokenizer.pad_token_id)
         if mapping:
-            config.id2label = dict(enumerate(mapping))
+            config.id2label = dict(enumerate(labels))
+    models.check_positions(config, args.max_seq_length)
     model = models.build_model(args, config)
     train_dl, eval_dl = _dataloaders(args, accelerator, train_ds, val_ds, DataCollatorWithPadding(tokenizer))
     lengths = [len(x) for x in train_ds["input_ids"]]
@@ -248,6 +254,9 @@ class CausalCollator:
 def _causal_lm(args, accelerator, train_raw, val_raw, source) -> Task:
     cols = data.column_names(train_raw)
     text_col = data.pick_column(cols, args.text_column, data._TEXT_GUESSES, "text", "text_column")
+    for split, ds in _given_splits(train_raw, val_raw):
+        datacheck.check_texts(list(ds[text_col]), text_col, split, allow_empty=True)  # blank lines are dropped
+    train_raw, val_raw = data.hold_out(train_raw, val_raw, source)
     train_ds, val_ds = _to_dataset(train_raw), _to_dataset(val_raw)
     # Blank lines (wikitext has many) hold no target token.
     train_ds, val_ds = (ds.filter(lambda b: [bool(t and t.strip()) for t in b[text_col]], batched=True)
@@ -264,10 +273,7 @@ def _causal_lm(args, accelerator, train_raw, val_raw, source) -> Task:
         config = models.preset_config(args.task, args.model_preset, vocab_size=_vocab(tokenizer, args),
                                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                                       eos_token_id=tokenizer.eos_token_id)
-    positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-    if positions and args.max_seq_length > positions:
-        raise SystemExit(f"--max_seq_length {args.max_seq_length} exceeds the model's {positions} positions. "
-                         f"Pass --max_seq_length {positions} or less.")
+    models.check_positions(config, args.max_seq_length)
     with accelerator.main_process_first():
         train_ds, text_tokens = packing.samples(train_ds, tokenizer, text_col, args.packing, args.max_seq_length,
                                                 train=True)
@@ -309,20 +315,24 @@ def _image_classification(args, accelerator, train_raw, val_raw, source) -> Task
     cols = [c for c in data.column_names(train_raw) if c != "classes"]
     image_col = data.pick_column(cols, args.image_column, data._IMAGE_GUESSES, "image", "image_column")
     label_col = data.pick_column(cols, args.label_column, data._LABEL_GUESSES, "label", "label_column")
+    for split, ds in _given_splits(train_raw, val_raw):
+        datacheck.check_label_values(list(ds[label_col]), label_col, split)
+    train_raw, val_raw = data.hold_out(train_raw, val_raw, source)
     train_raw, val_raw = _limit(train_raw, args.max_train_samples), _limit(val_raw, args.max_eval_samples)
     train_labels, val_labels = list(train_raw[label_col]), list(val_raw[label_col])
-    names = train_raw.get("classes") if isinstance(train_raw, dict) else None
-    labels, mapping = _label_mapping(train_labels, val_labels)
-    names = names or (list(mapping) if mapping else None)
-    num_labels = len(names) if names else int(max(labels)) + 1
-    to_id = (lambda v: mapping[str(v)]) if mapping else int  # noqa: E731
+    datacheck.check_images(list(train_raw[image_col]), "training")
+    datacheck.check_images(list(val_raw[image_col]), "validation")
+    classes, mapping = datacheck.label_set(train_labels, val_labels, label_col)
+    folder_names = train_raw.get("classes") if isinstance(train_raw, dict) else None
+    names = [folder_names[int(c)] for c in classes] if folder_names else (classes if mapping else None)
+    to_id = datacheck.label_index(mapping)
     processor = None
     if args.model_name_or_path:
         extra = {"id2label": dict(enumerate(names))} if names else {}
-        config = models.load_pretrained_config(args, num_labels=num_labels, **extra)
+        config = models.load_pretrained_config(args, num_labels=len(classes), **extra)
         processor = _pretrained_processor(args)
     else:
-        config = models.preset_config(args.task, args.model_preset, num_labels=num_labels)
+        config = models.preset_config(args.task, args.model_preset, num_labels=len(classes))
         if names:
             config.id2label = dict(enumerate(names))
     size = config.image_size

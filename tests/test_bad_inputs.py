@@ -29,16 +29,77 @@ def _empty_csv(tmp: Path) -> Path:
     return path
 
 
-def _folder(tmp: Path, classes=("a", "b"), images: bool = True, name: str = "imgs") -> Path:
+def _folder(tmp: Path, classes=("a", "b"), images: bool = True, name: str = "imgs", n: int = 4,
+            broken: bool = False) -> Path:
     import numpy as np
     from PIL import Image
 
     for c in classes:
         (tmp / name / c).mkdir(parents=True, exist_ok=True)
         if images:
-            for i in range(4):
+            for i in range(n):
                 Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(tmp / name / c / f"{i}.png")
+    if broken:
+        (tmp / name / classes[0] / "broken.png").write_bytes(b"not a png")
     return tmp / name
+
+
+_ROWS = [(f"good film number {i}" if i % 2 else f"bad movie number {i}", i % 2) for i in range(40)]
+
+
+def _table(tmp: Path, rows=None, header: str = "text,label", name: str = "train.csv") -> Path:
+    path = tmp / name
+    path.write_text(header + "\n" + "".join(f"{a},{b}\n" for a, b in (rows if rows is not None else _ROWS)))
+    return path
+
+
+def _jsonl(tmp: Path, records: list[dict], name: str = "train.jsonl") -> Path:
+    import json
+
+    path = tmp / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _bad_jsonl(tmp: Path) -> Path:
+    path = _jsonl(tmp, [{"text": a, "label": b} for a, b in _ROWS], name="bad.jsonl")
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:5]) + "{oops\n" + "".join(lines[5:]))
+    return path
+
+
+def _latin1_csv(tmp: Path) -> Path:
+    path = tmp / "latin1.csv"
+    path.write_bytes(("text,label\n" + "".join(f"caf\xe9 {a},{b}\n" for a, b in _ROWS)).encode("latin-1"))
+    return path
+
+
+def _dataset_dir(tmp: Path) -> Path:
+    (tmp / "ds").mkdir()
+    _table(tmp / "ds", name="test.csv")
+    return tmp / "ds"
+
+
+def _model_dir(tmp: Path, kind: str, tokenizer: bool = True) -> Path:
+    """A local model directory as a user has one: config.json (and a tokenizer), no weights needed to refuse."""
+    from transformers import BertConfig, ViTConfig
+
+    from shared.data import build_word_tokenizer
+
+    path = tmp / f"{kind}-model"
+    config = {"vit": ViTConfig, "bert": BertConfig}[kind](hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                          intermediate_size=64)
+    config.save_pretrained(path)
+    if tokenizer:
+        build_word_tokenizer(["a b c"], "text-classification").save_pretrained(path)
+    return path
+
+
+def _finished_checkpoint(tmp: Path) -> Path:
+    from tests.conftest import run_recipe
+
+    run_recipe("baseline", tmp / "done", "--max_train_steps", 2, "--checkpointing_steps", 2, "--no_save_model")
+    return next((tmp / "done" / "checkpoints").glob("step_*"))
 
 
 def _checkpoint_dir(tmp: Path) -> Path:
@@ -56,6 +117,7 @@ class Case:
     says: list[str]  # fragments of the message: the problem, then the fix
     recipe: str = "baseline"
     setup: object = None  # tmp -> extra argv
+    out: object = None  # tmp -> the --output_dir (default tmp/out)
     env: dict = field(default_factory=dict)  # what `accelerate launch --config_file ...` would set
 
 
@@ -100,7 +162,7 @@ CASES = [
          ["has classes ['c'] that the training folder lacks"],
          setup=lambda t: ["--train_dir", _folder(t), "--validation_dir", _folder(t, ("a", "c"), name="val")]),
     Case("zero-batch", "a batch size of 0", ["--per_device_train_batch_size", "0"],
-         ["--per_device_train_batch_size must be at least 1"]),
+         ["--per_device_train_batch_size: must be at least 1"]),
     Case("accumulation-in-plain-recipe", "gradient accumulation asked of a recipe that does not accumulate",
          ["--gradient_accumulation_steps", "4"],
          ["does not accumulate gradients", "Use recipes/gradient_accumulation.py"]),
@@ -142,9 +204,161 @@ CASES = [
          setup=lambda t: ["--nvme_path", t / "nvme", "--deepspeed_config", _ds_json(t, zero_optimization={
              "stage": 2, "offload_optimizer": {"device": "nvme"}})]),
     Case("impossible-sparsity", "a pruning target of 150%", ["--target_sparsity", "1.5"],
-         ["--target_sparsity must be in [0, 1)"], recipe="pruning"),
+         ["--target_sparsity: must be less than 1"], recipe="pruning"),
     Case("pruning-past-the-end", "a pruning schedule that ends after training does", ["--pruning_end_step", "9"],
          ["--pruning_end_step <= training steps"], recipe="pruning"),
+    # ---- the data's content: labels
+    Case("empty-label-cell", "an empty label cell (it would become a class named 'None')", [],
+         ["label column 'label' has 1 empty cell(s), row 40", "Fill or drop those rows"],
+         setup=lambda t: ["--train_file", _table(t, [*_ROWS[:-1], ("nice one", "")])]),
+    Case("class-only-in-validation", "a class that occurs only in validation (its head row would never train)", [],
+         ["validation labels [7] never occur in the training data", "Add training examples of them"],
+         setup=lambda t: ["--train_file", _table(t),
+                          "--validation_file", _table(t, [*_ROWS[:9], ("odd", 7)], name="v.csv")]),
+    Case("one-class", "a training set of one class (accuracy 1.0, nothing learned)", [],
+         ["holds one class (0)", "Add examples of the other classes"],
+         setup=lambda t: ["--train_file", _table(t, [(f"text {i}", 0) for i in range(40)])]),
+    Case("one-class-image-folder", "an image folder with one class folder", ["--task", "image-classification"],
+         ["holds one class (0)", "Add examples of the other classes"],
+         setup=lambda t: ["--train_dir", _folder(t, classes=("a",), n=8)]),
+    Case("free-text-labels", "--label_column naming a free-text column (a classifier of 36 classes seen once)",
+         ["--label_column", "comment"], ["36 different values in 36 training rows", "Pass --label_column naming"],
+         setup=lambda t: ["--train_file", _table(t, [(f"text {i}", f"comment {i}") for i in range(40)],
+                                                  header="text,comment")]),
+    Case("negative-label", "a negative label (GLUE test splits mark unlabelled rows with -1)", [],
+         ["has negative labels (row 40, e.g. -1)", "Drop those rows"],
+         setup=lambda t: ["--train_file", _table(t, [*_ROWS[:-1], ("x", -1)])]),
+    Case("fractional-label", "fractional labels: a regression target (STS-B) for a classifier", [],
+         ["holds fractions (row 2", "Pass --label_column naming a column of classes"],
+         setup=lambda t: ["--train_file", _table(t, [(f"t {i}", i / 10) for i in range(40)])]),
+    Case("multi-label", "a list of labels per row (multi-label targets)", [],
+         ["holds list values", "not multi-label targets"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"text": f"t {i}", "label": [i % 2, 1]} for i in range(40)])]),
+    # ---- the data's content: texts
+    Case("numeric-text-column", "a text column of numbers", [],
+         ["column 'text' holds int values, not text", "Pass --text_column naming the column of texts"],
+         setup=lambda t: ["--train_file", _table(t, [(i, i % 2) for i in range(40)])]),
+    Case("empty-text-cell", "an empty text cell", [],
+         ["column 'text' has 1 empty cell(s), row 40", "Fill or drop those rows"],
+         setup=lambda t: ["--train_file", _table(t, [*_ROWS[:-1], ("", 1)])]),
+    Case("numeric-text-for-causal-lm", "a causal-LM text column of numbers", ["--task", "causal-lm"],
+         ["holds int values, not text", "Pass --text_column"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"text": i} for i in range(40)])]),
+    Case("missing-pair-column", "--text_pair_column naming a column that is not there", ["--text_pair_column", "s2"],
+         ["--text_pair_column 's2' is not a column", "Pass --text_pair_column with one of them"],
+         setup=lambda t: ["--train_file", _table(t)]),
+    Case("pair-column-for-causal-lm", "--text_pair_column for a task without pairs",
+         ["--task", "causal-lm", "--text_pair_column", "b"],
+         ["--text_pair_column serves --task text-classification", "Drop it"]),
+    Case("per-document-packing-in-pipeline", "per-document packing in a recipe whose stages use a plain causal mask",
+         ["--task", "causal-lm", "--packing", "per_document"],
+         ["would let packed documents attend to each other", "Use --packing concat"], recipe="pipeline_parallel"),
+    Case("too-little-text", "a text file shorter than one packed block", ["--task", "causal-lm"],
+         ["fewer than one block of --max_seq_length 128", "Lower --max_seq_length"],
+         setup=lambda t: ["--train_file", _write(t / "short.txt", "a few words\nand a few more\nthe end\n")]),
+    # ---- files that do not parse
+    Case("malformed-json-line", "a json-lines file with a broken line", [],
+         ["bad.jsonl: cannot be read as json, line 6 is not valid JSON", "Fix or remove that line"],
+         setup=lambda t: ["--train_file", _bad_jsonl(t)]),
+    Case("not-utf8", "a csv saved as Latin-1", [],
+         ["cannot be read as csv, line 2 is not UTF-8", "save the file as UTF-8 csv"],
+         setup=lambda t: ["--train_file", _latin1_csv(t)]),
+    Case("columns-differ-across-splits", "a validation file with other columns than train", [],
+         ["must have the same columns", "Rename or drop columns"],
+         setup=lambda t: ["--train_file", _table(t), "--validation_file", _table(t, header="sentence,target",
+                                                                                   name="v.csv")]),
+    Case("empty-validation-file", "a validation file with a header and no rows", [],
+         ["is empty", "Pass a file with rows"],
+         setup=lambda t: ["--train_file", _table(t), "--validation_file", _empty_csv(t)]),
+    Case("one-line-txt", "a one-line text file and no validation file", ["--task", "causal-lm"],
+         ["holds 1 row: too few to hold out 10%", "Pass --validation_file"],
+         setup=lambda t: ["--train_file", _write(t / "one.txt", "just one line of text\n")]),
+    Case("csv-for-images", "a table without an image column for image classification",
+         ["--task", "image-classification"], ["Found no image column among", "Pass --image_column"],
+         setup=lambda t: ["--train_file", _table(t)]),
+    Case("missing-image-column", "--image_column naming a column that is not there",
+         ["--task", "image-classification", "--image_column", "photo"],
+         ["--image_column 'photo' is not a column", "Pass --image_column with one of them"],
+         setup=lambda t: ["--train_file", _table(t)]),
+    Case("broken-validation-image", "an image in the validation folder that does not open (evaluation would crash "
+         "after training)", ["--task", "image-classification"],
+         ["1 validation image(s) do not open", "broken.png", "Remove or replace them"],
+         setup=lambda t: ["--train_dir", _folder(t), "--validation_dir", _folder(t, name="val", broken=True)]),
+    Case("missing-validation-dir", "a validation folder that does not exist", ["--task", "image-classification"],
+         ["--validation_dir", "does not exist"], setup=lambda t: ["--train_dir", _folder(t), "--validation_dir",
+                                                                 t / "nowhere"]),
+    # ---- datasets that cannot be loaded
+    Case("missing-local-dataset", "--dataset_name naming a local path that does not exist",
+         ["--dataset_name", "./no/such/dataset"], ["does not exist", "--train_file for a local file"]),
+    Case("offline-hub-dataset", "a hub dataset with the hub out of reach", ["--dataset_name", "someorg/somedata"],
+         ["Could not load the hub dataset 'someorg/somedata'", "pass local data: --train_file"]),
+    Case("dataset-without-train-split", "a dataset directory with no train split", [],
+         ["has no 'train' split", "--train_file and --validation_file"],
+         setup=lambda t: ["--dataset_name", _dataset_dir(t)]),
+    # ---- models that do not fit
+    Case("model-for-another-task", "a ViT directory for text classification", [],
+         ["is a vit model, which has no text-classification head", "Pass --task image-classification"],
+         setup=lambda t: ["--model_name_or_path", _model_dir(t, "vit")]),
+    Case("encoder-as-causal-lm", "a BERT (bidirectional) directory as a causal LM (the loss falls to 0, nothing "
+         "learned)", ["--task", "causal-lm"], ["bidirectional bert encoder", "Use a decoder model"],
+         setup=lambda t: ["--model_name_or_path", _model_dir(t, "bert")]),
+    Case("tokenizer-less-model-dir", "a model directory without tokenizer files", [],
+         ["holds no tokenizer files", "Pass --tokenizer_name"],
+         setup=lambda t: ["--model_name_or_path", _model_dir(t, "bert", tokenizer=False)]),
+    Case("encoder-positions", "texts cut longer than an encoder's position embeddings", ["--max_seq_length", "512"],
+         ["exceeds the model's 128 positions", "Pass --max_seq_length 128"]),
+    # ---- flag values out of range, and combinations that would do less than asked
+    Case("negative-grad-norm", "a negative clipping norm (gradient ascent)", ["--max_grad_norm", "-1"],
+         ["--max_grad_norm: must be at least 0", "0: no clipping"]),
+    Case("zero-epochs", "0 epochs", ["--num_train_epochs", "0"], ["--num_train_epochs: must be greater than 0"]),
+    Case("zero-checkpointing-steps", "checkpoints every 0 steps (none would be written)",
+         ["--checkpointing_steps", "0"], ["--checkpointing_steps: must be at least 1", "unset: never"]),
+    Case("zero-train-samples", "--max_train_samples 0", ["--max_train_samples", "0"],
+         ["--max_train_samples: must be at least 1"]),
+    Case("zero-eval-batch", "an evaluation batch of 0", ["--per_device_eval_batch_size", "0"],
+         ["--per_device_eval_batch_size: must be at least 1"]),
+    Case("word-for-a-number", "a word where a number goes", ["--per_device_train_batch_size", "sixteen"],
+         ["--per_device_train_batch_size: expected an integer, got 'sixteen'"]),
+    Case("nan-learning-rate", "a learning rate of nan", ["--learning_rate", "nan"],
+         ["--learning_rate", "must be", "finite"]),
+    Case("zero-learning-rate", "a learning rate of 0 (nothing would change)", ["--learning_rate", "0"],
+         ["--learning_rate: must be greater than 0"]),
+    Case("negative-weight-decay", "a negative weight decay", ["--weight_decay", "-0.1"],
+         ["--weight_decay: must be at least 0"]),
+    Case("negative-warmup", "negative warmup steps", ["--num_warmup_steps", "-5"],
+         ["--num_warmup_steps: must be at least 0"]),
+    Case("negative-workers", "a negative number of dataloader workers", ["--dataloader_num_workers", "-1"],
+         ["--dataloader_num_workers: must be at least 0"]),
+    Case("zero-logging-steps", "logging every 0 steps", ["--logging_steps", "0"],
+         ["--logging_steps: must be at least 1"]),
+    Case("warmup-past-the-end", "warmup longer than the run (the learning rate never peaks)",
+         ["--num_warmup_steps", "5"], ["--num_warmup_steps 5 >= --max_train_steps 2", "Lower --num_warmup_steps"]),
+    Case("save-limit-without-checkpoints", "a checkpoint limit with no checkpoints written",
+         ["--save_total_limit", "2"], ["none are written without --checkpointing_steps", "Pass --checkpointing_steps"]),
+    Case("tracker-typo", "a tracker name with a typo (pip would install a package of that name)",
+         ["--report_to", "tensorbord"], ["not a tracker Accelerate knows", "Did you mean tensorboard?"]),
+    Case("unwritable-output-dir", "an output directory that cannot be written (it would fail after training)", [],
+         ["is a file, not a directory", "Pass another path"], out=lambda t: _write(t / "afile", "x") / "out"),
+    Case("resume-at-the-end", "resuming a checkpoint at the last step (nothing to train, train_loss None)", [],
+         ["is at step 2, and this run has 2 steps: nothing is left to train", "Raise --max_train_steps"],
+         setup=lambda t: ["--resume_from_checkpoint", _finished_checkpoint(t)]),
+    # ---- recipe flags out of range
+    Case("zero-lora-rank", "a LoRA rank of 0", ["--lora_r", "0"], ["--lora_r: must be at least 1"], recipe="qlora"),
+    Case("lora-dropout-of-one", "a LoRA dropout of 1 (every adapter input dropped)", ["--lora_dropout", "1"],
+         ["--lora_dropout: must be less than 1"],
+         recipe="qlora"),
+    Case("zero-microbatches", "0 pipeline micro-batches", ["--n_microbatches", "0"],
+         ["--n_microbatches: must be at least 1"], recipe="pipeline_parallel"),
+    Case("zero-loss-chunk", "a loss chunk of 0 tokens", ["--loss_chunk_size", "0"],
+         ["--loss_chunk_size: must be at least 1"], recipe="chunked_loss"),
+    Case("zero-loss-scale", "an fp16 loss scale of 0 (every gradient would be 0)", ["--init_loss_scale", "0"],
+         ["--init_loss_scale: must be greater than 0"], recipe="mixed_precision"),
+    Case("percentile-clipping-over-100", "an 8-bit optimizer's percentile clipping above 100",
+         ["--percentile_clipping", "101"], ["--percentile_clipping: must be at most 100"], recipe="optim_8bit"),
+    Case("zero-qat-group", "a QAT quantization group of 0 weights", ["--group_size", "0"],
+         ["--group_size: must be at least 1"], recipe="qat"),
+    Case("zero-pruning-frequency", "pruning every 0 steps", ["--pruning_frequency", "0"],
+         ["--pruning_frequency: must be at least 1"], recipe="pruning"),
 ]
 
 
@@ -178,13 +392,52 @@ def test_bad_input_fails_fast_with_the_fix(case, tmp_path, capsys, monkeypatch):
     for key, value in case.env.items():
         monkeypatch.setenv(key, value)
     argv = [*case.argv, *(case.setup(tmp_path) if case.setup else [])]
+    capsys.readouterr()  # what a setup run printed is not this case's
+    out = case.out(tmp_path) if case.out else tmp_path / "out"
     with pytest.raises(SystemExit) as exc:
-        run_recipe(case.recipe, tmp_path / "out", *argv, "--max_train_steps", 2)
-    message = f"{exc.value.code}\n{capsys.readouterr().err}"
+        run_recipe(case.recipe, out, *argv, "--max_train_steps", 2)
+    printed = capsys.readouterr()
+    message = f"{exc.value.code}\n{printed.err}"
     for fragment in case.says:
         assert fragment in message, f"{case.id}: {fragment!r} not in {message[-1500:]!r}"
+    # No training step ran: the progress bar (shared/meter.py) never started, and nothing was written.
+    assert "train:" not in printed.err + printed.out, f"{case.id}: training started before the refusal"
     assert not (tmp_path / "out" / "results.json").exists()
     assert not list((tmp_path / "out").glob("checkpoints/step_*")), "it trained before failing"
+
+
+def test_refusal_under_launch_is_shown_once_at_the_end(tmp_path):
+    """Two processes refuse the same data: the launcher's failure summary shows the message once, as its last word,
+    instead of each process printing it above the launcher's traceback (shared/launch.py entrypoint)."""
+    from tests.conftest import launch
+
+    data = _table(tmp_path, [(f"text {i}", 0) for i in range(40)])
+    proc = launch("baseline", tmp_path / "out", "--train_file", data, expect_fail=True)
+    printed = proc.stdout + proc.stderr
+    assert printed.count("holds one class (0)") == 1, printed[-3000:]
+    tail = printed.strip().splitlines()[-6:]
+    assert any("holds one class (0)" in line for line in tail), tail
+    assert "Root Cause" in printed and "rank      : 0" in printed
+    assert "The same refusal as local rank 0" in printed  # the second process, pointing to the first
+    assert "train:" not in printed
+
+
+def test_a_failure_after_training_keeps_the_trained_model(tmp_path, monkeypatch):
+    """Evaluation that fails after training (a file gone from a network disk) still leaves the trained model."""
+    from shared.tasks import Task
+    from tests.conftest import run_recipe
+
+    def gone(*_args):
+        raise OSError("the validation files went away")
+
+    monkeypatch.setattr(Task, "evaluate", gone)
+    with pytest.raises(OSError, match="went away"):
+        run_recipe("baseline", tmp_path / "out", "--max_train_steps", 3)
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")  # the 3 trained steps, saved
+    assert sum(p.numel() for p in model.parameters()) > 0
+    assert (tmp_path / "out" / "model.safetensors").stat().st_size > 0
 
 
 def test_docs_table_is_current():

@@ -168,19 +168,6 @@ def test_too_little_text_for_one_block(tmp_path):
                    path, "--max_train_steps", 1)
 
 
-def test_flags_refused_where_they_cannot_work():
-    from shared.args import parse_args
-    from shared.tasks import load_task
-
-    args = parse_args(["--task", "causal-lm", "--packing", "per_document"])
-    args.recipe = "pipeline_parallel"
-    with pytest.raises(SystemExit, match="recipes/pipeline_parallel.py runs the model through its own pipeline"):
-        load_task(args, accelerator=None)
-    args = parse_args(["--task", "causal-lm", "--text_pair_column", "sentence2"])
-    with pytest.raises(SystemExit, match="--text_pair_column serves --task text-classification"):
-        load_task(args, accelerator=None)
-
-
 # ---------------------------------------------------------------- 2. sentence pairs
 def _pairs_csv(path, n: int, seed: int):
     import pandas as pd

@@ -1,0 +1,165 @@
+"""What the data holds, checked before the first step: files that parse, columns that agree, texts that are text,
+a label set a classifier can learn, images that open. Each refusal names the file, row or line, and the fix."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import Counter
+from pathlib import Path
+
+logger = logging.getLogger("recipes")
+
+_SHOWN = 5  # rows named in a message; the count says how many more
+
+
+def _rows(indices: list[int]) -> str:
+    """Row numbers as a user finds them: 1-based data rows (a csv's header is not a row)."""
+    shown = ", ".join(str(i + 1) for i in indices[:_SHOWN])
+    return f"{shown} and {len(indices) - _SHOWN} more" if len(indices) > _SHOWN else shown
+
+
+# ---------------------------------------------------------------- files
+def explain_unreadable(path: str, kind: str, err: Exception) -> SystemExit:
+    """The refusal for a file `datasets` could not build a split from: the file, the line, the cause."""
+    where = _first_bad_line(Path(path), kind)
+    cause = err.__cause__ or err.__context__ or err
+    detail = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    return SystemExit(f"{path}: cannot be read as {kind}{', ' + where if where else ''} ({detail}). Fix or remove "
+                      f"that {'line' if where else 'content'}, or save the file as UTF-8 {kind}.")
+
+
+def _first_bad_line(path: Path, kind: str) -> str:
+    """'line N: why' for the first line that does not decode as UTF-8 or (json lines) does not parse."""
+    raw = path.read_bytes()
+    for number, line in enumerate(raw.split(b"\n"), start=1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            return f"line {number} is not UTF-8 (byte {line[err.start:err.start + 1]!r} at column {err.start + 1})"
+        if kind == "json" and text.strip() and not _is_json_array(raw):
+            try:
+                json.loads(text)
+            except json.JSONDecodeError as err:
+                return f"line {number} is not valid JSON ({err.msg} at column {err.colno})"
+    return ""
+
+
+def _is_json_array(raw: bytes) -> bool:
+    return raw.lstrip()[:1] == b"["
+
+
+def check_same_columns(train_columns: list[str], val_columns: list[str], train_file: str, val_file: str) -> None:
+    if set(train_columns) != set(val_columns):
+        raise SystemExit(f"{val_file} has columns {val_columns}, {train_file} has {train_columns}: the splits must "
+                         "have the same columns. Rename or drop columns so that they match.")
+
+
+def check_can_hold_out(n_rows: int, source: str) -> None:
+    """Without a validation split, 10% of the training rows are held out: that needs at least two rows."""
+    if n_rows < 2:
+        raise SystemExit(f"The training data ({source}) holds {n_rows} row: too few to hold out 10% for evaluation. "
+                         "Pass --validation_file, or add rows (a .txt file holds one document per line).")
+
+
+# ---------------------------------------------------------------- texts
+def check_texts(values: list, column: str, split: str, allow_empty: bool = False) -> None:
+    """Every cell of a text column is a string; empty ones are refused where they would be trained on."""
+    not_text = [i for i, v in enumerate(values) if v is not None and not isinstance(v, str)]
+    if not_text:
+        example = values[not_text[0]]
+        raise SystemExit(f"The {split} column {column!r} holds {type(example).__name__} values, not text (row "
+                         f"{_rows(not_text)}, e.g. {example!r}). Pass --text_column naming the column of texts.")
+    if allow_empty:
+        return
+    empty = [i for i, v in enumerate(values) if v is None or not v.strip()]
+    if empty:
+        raise SystemExit(f"The {split} column {column!r} has {len(empty)} empty cell(s), row {_rows(empty)}. Fill "
+                         "or drop those rows: an empty text trains the label on nothing but special tokens.")
+
+
+# ---------------------------------------------------------------- labels
+def check_label_values(values: list, column: str, split: str) -> None:
+    """Every cell of a label column holds a class: one value, not empty, not a fraction, not negative."""
+    nested = [i for i, v in enumerate(values) if isinstance(v, (list, dict, tuple))]
+    if nested:
+        raise SystemExit(f"The {split} label column {column!r} holds {type(values[nested[0]]).__name__} values (row "
+                         f"{_rows(nested)}, e.g. {values[nested[0]]!r}): these recipes train one class per example, "
+                         "not multi-label targets. Pass --label_column naming a column of single classes.")
+    empty = [i for i, v in enumerate(values) if v is None or (isinstance(v, float) and math.isnan(v))
+             or (isinstance(v, str) and not v.strip())]
+    if empty:
+        raise SystemExit(f"The {split} label column {column!r} has {len(empty)} empty cell(s), row "
+                         f"{_rows(empty)}. Fill or drop those rows: an empty label is not a class.")
+    fractional = [i for i, v in enumerate(values) if isinstance(v, float) and not v.is_integer()]
+    if fractional:
+        raise SystemExit(f"The {split} label column {column!r} holds fractions (row {_rows(fractional)}, e.g. "
+                         f"{values[fractional[0]]}): these recipes classify, they do not regress. Pass "
+                         "--label_column naming a column of classes.")
+    negative = [i for i, v in enumerate(values) if isinstance(v, (int, float)) and v < 0]
+    if negative:
+        raise SystemExit(f"The {split} label column {column!r} has negative labels (row {_rows(negative)}, "
+                         f"e.g. {values[negative[0]]}); GLUE's test splits mark unlabelled rows with -1. Drop "
+                         "those rows, or use a split with labels.")
+
+
+def label_set(train: list, val: list, column: str) -> tuple[list, dict]:
+    """The classes a classifier learns, and how each label value maps to its index; refuses a label set that
+    cannot train what the user meant. Integers 0..K-1 stay; anything else is numbered in sorted order (so labels
+    1..5 train 5 classes, not 6 with a class 0 nothing ever trains). The values passed check_label_values."""
+    train_keys = [_key(v) for v in train]
+    counts = Counter(train_keys)
+    if len(counts) < 2:
+        raise SystemExit(f"The training label column {column!r} holds one class ({next(iter(counts))!r}): a "
+                         "classifier needs at least two, and one class would score accuracy 1.0 having learned "
+                         "nothing. Add examples of the other classes, or pass --label_column naming the label column.")
+    if len(counts) > 2 and len(counts) > len(train) / 2:
+        raise SystemExit(f"The label column {column!r} has {len(counts)} different values in {len(train)} training "
+                         f"rows (e.g. {list(counts)[:3]}): a class seen about once cannot be learned. Is it a text "
+                         "column? Pass --label_column naming the column of classes.")
+    unseen = sorted({_key(v) for v in val} - set(counts), key=str)
+    if unseen:
+        raise SystemExit(f"The validation labels {unseen[:_SHOWN]} never occur in the training data: no step would "
+                         "ever train them, and evaluation would count them as errors. Add training examples of "
+                         "them, or drop those validation rows.")
+    if len(counts) > 20 and len(counts) > len(train) / 10:
+        logger.warning("The label column %r has %d classes in %d training rows, %.1f rows per class: check that "
+                       "--label_column names the classes.", column, len(counts), len(train), len(train) / len(counts))
+    classes = sorted(counts, key=lambda k: (isinstance(k, str), k))
+    if all(isinstance(k, int) for k in classes) and classes == list(range(len(classes))):
+        return classes, {}
+    return [str(k) for k in classes], {k: i for i, k in enumerate(classes)}
+
+
+def _key(v: object) -> object:
+    """A label value as a class key: 3, 3.0 and True/False are integers; strings stay strings."""
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+def label_index(mapping: dict) -> object:
+    """value -> class index, for label_set's mapping ({}: the values are the indices)."""
+    return (lambda v: mapping[_key(v)]) if mapping else int
+
+
+# ---------------------------------------------------------------- images
+def check_images(paths: list, split: str) -> None:
+    """Every image file the run will read opens: a broken one would crash evaluation after training."""
+    from PIL import Image, UnidentifiedImageError
+
+    broken = []
+    for path in paths:
+        if not isinstance(path, str):  # already decoded (a hub dataset's Image feature, the built-in arrays)
+            continue
+        try:
+            with Image.open(path) as image:
+                image.verify()
+        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as err:
+            broken.append(f"{path} ({type(err).__name__})")
+    if broken:
+        raise SystemExit(f"{len(broken)} {split} image(s) do not open: {', '.join(broken[:_SHOWN])}. Remove or "
+                         "replace them.")
