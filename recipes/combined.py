@@ -39,7 +39,7 @@ from shared.meter import Meter
 from shared.models import AUTO_CLASSES, HEAD_NAMES
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.preflight import stop_if_preflight
-from shared.quant import COMPUTE_DTYPES, head_names, quantized_weight_bytes
+from shared.quant import COMPUTE_DTYPES, fit_cpu_4bit_kernel, head_names, quantized_weight_bytes
 from shared.results import finish
 from shared.tasks import load_task
 
@@ -116,6 +116,7 @@ def main(argv=None) -> dict:
             # ZeRO-3 / FSDP place the shards themselves; otherwise each process holds its copy on its device.
             device_map=None if sharded else {"": accelerator.device}, dtype=storage if sharded else None,
             trust_remote_code=args.trust_remote_code)
+        fit_cpu_4bit_kernel(task.model)  # evaluation would crash on odd layer sizes (shared/quant.py)
         task.model = prepare_model_for_kbit_training(
             task.model, use_gradient_checkpointing=args.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})

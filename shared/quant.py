@@ -107,3 +107,21 @@ def serialized_bytes(state_dict: dict) -> int:
     buffer = io.BytesIO()
     torch.save(state_dict, buffer)
     return buffer.getbuffer().nbytes
+
+
+def fit_cpu_4bit_kernel(model: nn.Module) -> list[str]:
+    """bitsandbytes' fast CPU path for 4-bit layers in evaluation (AVX512-BF16 machines) repacks each weight and
+    needs its output size to divide by 32 and its input size by the quantization block (64): a model of hidden
+    size 40 trained, then crashed at evaluation (an AssertionError or a bad reshape). Such layers are kept on the
+    plain dequantizing path, the same math; returns their names."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return []
+    moved = []
+    for name, module in model.named_modules():
+        if isinstance(module, Linear4bit) and (module.out_features % 32
+                                               or module.in_features % module.weight.blocksize):
+            module.support_avx512bf16_for_cpu = False
+            moved.append(name)
+    return moved

@@ -145,3 +145,47 @@ def test_merge_without_saving_stops_before_training(tmp_path):
     with pytest.raises(SystemExit, match="Drop one of them"):
         run_recipe("qlora", tmp_path, "--merge", "--no_save_model")
     assert not (tmp_path / "base_model").exists()
+
+
+def test_odd_layer_sizes_evaluate_on_cpu():
+    """bitsandbytes' packed CPU kernel for 4-bit evaluation (AVX512-BF16 machines) asserts out % 32 == 0 and
+    in % 64 == 0: a hidden-40 model trained, then crashed at evaluation. fit_cpu_4bit_kernel keeps such layers on the
+    dequantizing path; their evaluation output equals the training-mode output (the same math)."""
+    import copy
+
+    import bitsandbytes as bnb
+
+    from shared.quant import fit_cpu_4bit_kernel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(bnb.nn.Linear4bit(40, 40, compute_dtype=torch.float32, quant_type="nf4"),
+                                bnb.nn.Linear4bit(64, 32, compute_dtype=torch.float32, quant_type="nf4"))
+    for layer in model:
+        layer.weight = bnb.nn.Params4bit(torch.randn(layer.out_features, layer.in_features), requires_grad=False,
+                                         quant_type="nf4")
+    model = model.to("cpu")  # quantizes
+    x = torch.randn(3, 40)
+    if model[0].support_avx512bf16_for_cpu:  # this machine takes the packed path: without the fix it crashes
+        control = copy.deepcopy(model[0]).eval()
+        with torch.no_grad(), pytest.raises((AssertionError, RuntimeError)):
+            control(x)
+    assert fit_cpu_4bit_kernel(model) == ["0"]  # 40 -> 40 does not fit the packed kernel; 64 -> 32 does
+    with torch.no_grad():
+        trained_path = model[0](x)
+        model.eval()
+        assert torch.equal(model[0](x), trained_path)
+
+
+def test_qlora_on_a_hidden_40_model_evaluates(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from shared.data import build_word_tokenizer, builtin_split
+
+    tok = build_word_tokenizer(builtin_split("causal-lm", "train")["text"], "causal-lm")
+    GPT2LMHeadModel(GPT2Config(n_embd=40, n_head=2, n_layer=1, n_positions=128, vocab_size=len(tok),
+                               pad_token_id=tok.pad_token_id)).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    r = run_recipe("qlora", tmp_path / "out", "--task", "causal-lm", "--model_name_or_path", tmp_path / "m",
+                   "--max_train_steps", 2, "--max_eval_samples", 8, "--no_save_model")
+    assert r["bits"] == 4 and r["quantized_layers"] >= 4
+    assert r["eval_loss"] is not None and r["eval_loss"] > 0
