@@ -8,6 +8,7 @@ bytes, and optimizer state and gradients exist for the adapters only.
 Gradient checkpointing is on by default (non-reentrant), so the frozen blocks keep only their inputs for backward.
 The adapter is saved to <output_dir>/adapter; --merge also writes <output_dir>/merged, a plain full-precision model
 (the adapter folded into the original, unquantized weights).
+--use_dora trains DoRA adapters (a magnitude vector per adapted weight beside the LoRA direction): docs/dora.md.
 With no --model_name_or_path the tiny preset model is saved to <output_dir>/base_model first and quantized from there,
 standing in for a pretrained checkpoint.
     accelerate launch recipes/qlora.py --task causal-lm --merge
@@ -53,6 +54,9 @@ def add_args(p):
     p.add_argument("--lora_r", type=COUNT, default=8)
     p.add_argument("--lora_alpha", type=COUNT, default=16)
     p.add_argument("--lora_dropout", type=number(float, low=0, below=1), default=0.05)
+    p.add_argument("--use_dora", action="store_true",
+                   help="DoRA (PEFT use_dora): each adapted weight is split into a magnitude per output, which "
+                        "trains, and a direction that LoRA updates.")
     p.add_argument("--lora_target_modules", default="all-linear",
                    help="Comma-separated module names, or all-linear (every Linear but the output layer).")
     p.add_argument("--no_gradient_checkpointing", action="store_true")
@@ -132,7 +136,7 @@ def main(argv=None) -> dict:
     # The technique, part 2: LoRA adapters on the quantized Linear layers; a new classification head trains fully.
     target = args.lora_target_modules
     lora_config = LoraConfig(
-        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, use_dora=args.use_dora,
         target_modules=target if target == "all-linear" else target.split(","),
         modules_to_save=[h for h in head_names(model) if h != "lm_head"] or None,  # lm_head is pretrained, tied
     )
@@ -176,7 +180,7 @@ def main(argv=None) -> dict:
     extras = {"bits": args.bits, "bnb_4bit_quant_type": args.bnb_4bit_quant_type if args.bits == 4 else None,
               "double_quant": args.bits == 4 and not args.no_double_quant,
               "bnb_compute_dtype": str(compute_dtype).removeprefix("torch."),
-              "gradient_checkpointing": not args.no_gradient_checkpointing,
+              "gradient_checkpointing": not args.no_gradient_checkpointing, "use_dora": args.use_dora,
               "trainable_params": trainable, "total_params": total,
               "trainable_param_names": [n for n, p in accelerator.unwrap_model(model).named_parameters()
                                         if p.requires_grad],
