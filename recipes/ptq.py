@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside
 from shared.args import parse_args
 from shared.launch import entrypoint, resolve_launch, start_run
 from shared.models import transformer_layers
+from shared.preflight import stop_if_preflight
 from shared.quant import conv1d_to_linear, dir_bytes
 from shared.tasks import load_task
 
@@ -57,6 +58,7 @@ def main(argv=None) -> dict:
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
     task = load_task(args, accelerator)
     model = task.model.to(accelerator.device).eval()
+    stop_if_preflight(accelerator, args, task, model, None)  # --preflight: print the resolved run, stop
     before = task.evaluate(model, task.eval_dataloader, accelerator)
     fp32_bytes = dir_bytes(args.model_name_or_path) if Path(args.model_name_or_path).is_dir() else None
 

@@ -1,12 +1,15 @@
 """Memory planner: which recipe and launch config fits a model on given hardware, predicted from the model's config.
 
-    python -m shared.plan --model_name_or_path gpt2-xl --num_gpus 8 --gpu_memory 80GB --seq_len 1024 \
+    python -m shared.plan --model_name_or_path gpt2-xl --num_gpus 8 --gpu_memory 80GB --seq_len 1024 \\
         --per_device_batch_size 8
 
 The model is built on the meta device (no weights are allocated or downloaded). For every technique combination the
 planner predicts bytes per device (weights, gradients, optimizer state, activations, working buffers) and on the
 host (offloaded states, runtime), ranks what fits by expected speed and prints the `accelerate launch` command of the
-recipe and config that runs it. The formulas, and what was checked against measurement, are in docs/planner.md.
+recipe and config that runs it, as it runs: the process count, only recipes that accept it (shared/compat.py), and
+placeholders (NVME_DIR, ...) to fill. When nothing fits it names the nearest changes that would (a smaller batch,
+activation checkpointing, offload, more GPUs). The formulas, and what was checked against measurement, are in
+docs/planner.md.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ import argparse
 import math
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from . import compat
 
 GB = 10**9
 GiB = 2**30
@@ -146,11 +152,15 @@ def model_spec(config, task: str, name: str, disable_dropout: bool = False) -> M
     """Build the model on the meta device (nothing allocated) and read what the formulas need from it."""
     import torch
     from torch import nn
+    from transformers.modeling_utils import set_zero3_state
     from transformers.pytorch_utils import Conv1D
 
     from .models import AUTO_CLASSES, HEAD_NAMES, transformer_layers  # the heads bnb leaves unquantized
 
-    with torch.device("meta"):
+    # Outside ZeRO-3's zero.Init, which transformers enters for every model built while a ZeRO-3 run is set up (the
+    # preflight of one): under it these meta tensors would be partitioned to 1-D shards of the real shapes, and
+    # its weight initialization copies out of them.
+    with torch.device("meta"), set_zero3_state():
         model = AUTO_CLASSES[task].from_config(config)
     family = config.model_type if config.model_type in ("bert", "gpt2", "vit") else "generic"
     params = list(model.named_parameters())  # tied weights appear once
@@ -520,14 +530,51 @@ def parse_bytes(text: str) -> float:
 
 
 def fmt(n: float) -> str:
-    return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / MiB:.1f} MiB"
+    return f"{n / GiB:.2f} GiB" if n >= 0.1 * GiB else f"{n / MiB:.1f} MiB"
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "accelerate_configs"
+# What the user fills in a printed command: no default is right on another machine.
+PLACEHOLDERS = {
+    "NVME_DIR": "a directory on a local NVMe drive (DeepSpeed writes its swap files there)",
+    "MACHINE_RANK": "0 on the machine whose address is MAIN_IP, 1, 2, ... on the others",
+    "MAIN_IP": "the address of machine 0, reachable from every machine",
+}
+
+
+def config_file(tech: Technique, num_gpus: int) -> str:
+    return tech.config or ("single_process.yaml" if num_gpus == 1 else "multi_gpu.yaml")
+
+
+def config_launch(config: str) -> tuple[int, int]:
+    """(num_processes, num_machines) an accelerate config launches when the command line does not override them."""
+    import yaml
+
+    path = CONFIGS / config
+    conf = (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+    return int(conf.get("num_processes", 1)), int(conf.get("num_machines", 1))
+
+
+def compat_run(tech: Technique, precision: str, num_processes: int) -> compat.Run:
+    """The technique as shared/compat.py's rule table describes a run: what the recipe would check at start-up."""
+    sharding = tech.strategy if tech.strategy != "ddp" else ("ddp" if num_processes > 1 else "none")
+    return compat.Run(recipe=tech.recipe, sharding=sharding, launched=sharding,
+                      offload={"none": "none", "nvme": "nvme"}.get(tech.offload, "cpu"),
+                      num_processes=num_processes, precision="no" if precision == "fp32" else precision,
+                      base_weights="full" if tech.quant == "none" else tech.quant, lora=tech.quant != "none",
+                      optimizer="adamw_8bit" if tech.optimizer == "adamw8bit" else "adamw")
 
 
 def command(tech: Technique, precision: str, args: argparse.Namespace) -> str:
-    config = tech.config or ("single_process.yaml" if args.num_gpus == 1 else "multi_gpu.yaml")
+    """The `accelerate launch` line that runs this technique as planned; placeholders in PLACEHOLDERS' names."""
+    config = config_file(tech, args.num_gpus)
+    processes, machines = config_launch(config)
     parts = ["accelerate launch", f"--config_file accelerate_configs/{config}"]
-    if args.num_gpus > 1:
+    if args.num_gpus != processes:  # the configs' own counts are examples (2 processes; multi_gpu.yaml 8)
         parts.append(f"--num_processes {args.num_gpus}")
+    nodes = math.ceil(args.num_gpus / args.gpus_per_node)
+    if nodes != machines:
+        parts.append(f"--num_machines {nodes} --machine_rank MACHINE_RANK --main_process_ip MAIN_IP")
     parts.append(f"recipes/{tech.recipe}.py --task {args.task}")
     parts.append(f"--model_name_or_path {args.model_name_or_path}" if args.model_name_or_path
                  else f"--model_preset {args.model_preset}")
@@ -537,11 +584,13 @@ def command(tech: Technique, precision: str, args: argparse.Namespace) -> str:
     if precision != "fp32" and "--mixed_precision" not in tech.args:
         parts.append(f"--mixed_precision {precision}")
     parts.extend(tech.args)
+    if tech.offload == "nvme":  # the YAML cannot carry the path (Accelerate drops it): the recipe takes it as a flag
+        parts.append("--nvme_path NVME_DIR")
     return " ".join(parts)
 
 
 def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, list[str]]]:
-    """Every (technique, precision) with the reasons it does not fit (empty: it fits)."""
+    """Every (technique, precision) with the reasons it does not fit or cannot run (empty: it fits)."""
     usable = args.gpu_memory - args.reserve
     rows = []
     for tech in TECHNIQUES:
@@ -550,7 +599,8 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
                 continue  # sharding over one device divides nothing
             pred = predict(spec, tech, precision, args.num_gpus, args.per_device_batch_size, args.seq_len,
                            kernels=args.kernels, lora_r=args.lora_r)
-            why = []
+            # The recipe's own start-up check: a command it would refuse is not a plan (e.g. fsdp.py in 1 process).
+            why = [f"cannot run: {r}" for r in compat.refusals(compat_run(tech, precision, args.num_gpus))]
             if pred.device_peak > usable:
                 big = max((("weights", pred.weights), ("gradients", pred.grads), ("optimizer state", pred.optimizer),
                            ("activations", pred.activations), ("buffers", pred.buffers)), key=lambda kv: kv[1])
@@ -563,6 +613,68 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
                 why.append(f"needs {fmt(pred.nvme * args.gpus_per_node)} on NVMe, {fmt(args.nvme_memory)} available")
             rows.append((pred, why))
     return rows
+
+
+def _fastest_fit(spec: ModelSpec, args: argparse.Namespace, keep: Callable[[Technique], bool]) -> Prediction | None:
+    fits = [p for p, why in plan(spec, args) if not why and keep(p.technique)]
+    return min(fits, key=lambda p: (p.speed, p.device_peak), default=None)
+
+
+def _largest_batch(spec: ModelSpec, args: argparse.Namespace, keep: Callable[[Technique], bool]
+                   ) -> tuple[argparse.Namespace, Prediction] | None:
+    """The largest per-device batch up to the asked one at which a kept technique fits (memory grows with it)."""
+    lo, hi, best = 1, args.per_device_batch_size, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        changed = argparse.Namespace(**{**vars(args), "per_device_batch_size": mid})
+        found = _fastest_fit(spec, changed, keep)
+        if found:
+            best, lo = (changed, found), mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+MAX_GPUS = 1024
+
+
+def nearest_fits(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[str, Prediction, argparse.Namespace]]:
+    """When nothing fits: for each kind of change, the nearest configuration that fits, as (the change, its
+    prediction, the planner's arguments with the change made)."""
+    batch = args.per_device_batch_size
+    out = []
+
+    def smaller(changed: argparse.Namespace) -> str:
+        b = changed.per_device_batch_size
+        return "" if b == batch else f"--per_device_train_batch_size {b} instead of {batch}"
+
+    kinds: list[tuple[str, Callable[[Technique], bool]]] = [
+        ("a smaller batch", lambda t: not t.checkpointing and t.offload == "none" and t.quant == "none"),
+        ("activation checkpointing", lambda t: t.checkpointing),
+        ("offload", lambda t: t.offload != "none"),
+    ]
+    for kind, keep in kinds:
+        found = _largest_batch(spec, args, keep)
+        if found:
+            changed, pred = found
+            words = [] if kind == "a smaller batch" else [f"{kind} ({pred.technique.name})"]
+            out.append((" and ".join(w for w in (*words, smaller(changed)) if w), pred, changed))
+    # More GPUs shrink only sharded states (ZeRO, FSDP): the fewest GPUs at which a sharded run fits a larger batch
+    # than any change above does.
+    best_batch = max((changed.per_device_batch_size for _, _, changed in out), default=0)
+    n = args.num_gpus * 2
+    while n <= MAX_GPUS:
+        # One node grows with the GPUs; a multi-node job keeps its nodes' size and adds nodes.
+        per_node = n if args.gpus_per_node == args.num_gpus else args.gpus_per_node
+        found = _largest_batch(spec, argparse.Namespace(**{**vars(args), "num_gpus": n, "gpus_per_node": per_node}),
+                               lambda t: t.strategy != "ddp")
+        if found and found[0].per_device_batch_size > best_batch:
+            changed, pred = found
+            words = f"{n} GPUs instead of {args.num_gpus} ({pred.technique.name})"
+            out.append((" and ".join(w for w in (words, smaller(changed)) if w), pred, changed))
+            break
+        n *= 2
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -615,23 +727,46 @@ def main(argv: list[str] | None = None) -> list[tuple[Prediction, list[str]]]:
     header = f"{'technique':<26}{'prec':<6}{'weights':>11}{'grads':>11}{'optim':>11}{'activ':>11}{'buffers':>11}" \
              f"{'PEAK/dev':>11}{'host/proc':>11}{'speed':>7}"
     print(header)
-    root = Path(__file__).resolve().parents[1]
     for pred, _ in fits:
         t = pred.technique
         print(f"{t.name:<26}{pred.precision:<6}{fmt(pred.weights):>11}{fmt(pred.grads):>11}"
               f"{fmt(pred.optimizer):>11}{fmt(pred.activations):>11}{fmt(pred.buffers):>11}"
               f"{fmt(pred.device_peak):>11}{fmt(pred.host):>11}{pred.speed:>7.2f}")
-        missing = [f for f in (f"recipes/{t.recipe}.py", f"accelerate_configs/{t.config}" if t.config else None)
-                   if f and not (root / f).exists()]
-        print(f"    {command(t, pred.precision, args)}" + (f"   [not in this checkout: {', '.join(missing)}]"
-                                                            if missing else ""))
-        for note in pred.notes:
-            print(f"    note: {note}")
-    print(f"\nDoes not fit ({len(rows) - len(fits)}):")
+        _print_command(pred, args)
+    print(f"\nDoes not fit or cannot run ({len(rows) - len(fits)}):")
     for pred, why in rows:
         if why:
             print(f"  {pred.technique.name:<26}{pred.precision:<6}{'; '.join(why)}")
+    if not fits:
+        nearest = nearest_fits(spec, args)
+        if nearest:
+            print("\nNothing fits as asked. The nearest configurations that fit, and the change each needs:")
+            for change, pred, changed in nearest:
+                print(f"  {change}: {fmt(pred.device_peak)} per device in {pred.precision}")
+                _print_command(pred, changed)
+        else:
+            smallest = min((p for p, _ in plan(spec, argparse.Namespace(**{**vars(args), "per_device_batch_size": 1,
+                                                                            "num_gpus": MAX_GPUS}))),
+                           key=lambda p: p.device_peak)
+            print(f"\nNothing fits, not even at batch 1 on {MAX_GPUS} GPUs with checkpointing or offload: the "
+                  f"smallest need is {fmt(smallest.device_peak)} per device ({smallest.technique.name}). Use "
+                  "devices with more memory (--gpu_memory), a shorter --seq_len, or a smaller model.")
     return rows
+
+
+def _print_command(pred: Prediction, args: argparse.Namespace) -> None:
+    """The command under a planned row, what to fill in it, and what the checkout lacks to run it."""
+    t = pred.technique
+    line = command(t, pred.precision, args)
+    root = CONFIGS.parent
+    missing = [f for f in (f"recipes/{t.recipe}.py", f"accelerate_configs/{config_file(t, args.num_gpus)}")
+               if not (root / f).exists()]
+    print(f"    {line}" + (f"   [not in this checkout: {', '.join(missing)}]" if missing else ""))
+    for name, meaning in PLACEHOLDERS.items():
+        if name in line.split():
+            print(f"    fill in {name}: {meaning}")
+    for note in pred.notes:
+        print(f"    note: {note}")
 
 
 if __name__ == "__main__":
@@ -639,4 +774,5 @@ if __name__ == "__main__":
 
 
 __all__ = ["ModelSpec", "Technique", "TECHNIQUES", "Prediction", "predict", "activation_bytes", "adam_state_bytes",
-           "zero_model_state_bytes", "nf4_bytes", "int8_bytes", "load_config", "model_spec", "plan", "main"]
+           "zero_model_state_bytes", "nf4_bytes", "int8_bytes", "load_config", "model_spec", "plan", "command",
+           "nearest_fits", "main"]

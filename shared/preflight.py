@@ -10,41 +10,55 @@ the memory available, writes preflight.json in the output directory, and stops b
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .meter import stepping_optimizer
+from .results import end_run
+
+if TYPE_CHECKING:
+    from .plan import Technique
 
 
-def _technique(recipe: str, accelerator):
-    """The planner's model of this run, if it has one."""
-    from .plan import TECHNIQUES
+def _technique(recipe: str, accelerator, args: argparse.Namespace) -> Technique | None:
+    """The planner's model of this run, if it has one: the technique of this recipe whose sharding and offload are
+    what the built Accelerator runs (shared/compat.py reads them), and whose flags (e.g. --bits) the run has."""
+    from .compat import offload_of, sharding_of
+    from .plan import TECHNIQUES, compat_run
 
     # Accumulating or data-parallel runs hold what the baseline holds for one micro-batch.
     recipe = {"gradient_accumulation": "baseline", "data_parallel": "baseline"}.get(recipe, recipe)
-    candidates = [t for t in TECHNIQUES if t.recipe == recipe]
-    ds = getattr(accelerator.state, "deepspeed_plugin", None)
-    if ds is not None:
-        zero = ds.deepspeed_config.get("zero_optimization", {})
-        strategy = f"zero{zero.get('stage', 0)}"
-        offload = zero.get("offload_param", {}).get("device", "none")
-        offload = {"cpu": "all", "nvme": "nvme"}.get(offload, "optimizer" if zero.get("offload_optimizer", {}).get(
-            "device", "none") != "none" else "none")
-        candidates = [t for t in candidates if t.strategy == strategy and t.offload == offload]
-    return candidates[0] if candidates else None
+    launched = (sharding_of(accelerator), offload_of(accelerator))
+
+    def runs_as_launched(t: Technique) -> bool:
+        run = compat_run(t, "fp32", accelerator.num_processes)
+        return (run.sharding, run.offload) == launched
+
+    candidates = [t for t in TECHNIQUES if t.recipe == recipe and runs_as_launched(t)]
+    if launched == ("zero3", "cpu"):  # ZeRO-3 may offload the optimizer alone; the planner models both offloaded
+        param = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"].get("offload_param") or {}
+        candidates = [t for t in candidates if (t.offload == "all") == (param.get("device", "none") != "none")]
+
+    def has_flags(t: Technique) -> bool:
+        pairs = zip(t.args[::2], t.args[1::2], strict=True)
+        return all(str(getattr(args, flag.lstrip("-"), value)) == value for flag, value in pairs)
+
+    return next((t for t in candidates if has_flags(t)), candidates[0] if candidates else None)
 
 
 def _memory_estimate(recipe: str, accelerator, args, model) -> dict:
-    from .plan import CPU_RUNTIME_BYTES, model_spec, predict
+    from .plan import CPU_RUNTIME_BYTES, fmt, model_spec, predict
 
-    tech = _technique(recipe, accelerator)
+    tech = _technique(recipe, accelerator, args)
     if tech is None:
-        return {"estimate": f"the planner has no model of recipes/{recipe}.py"}
+        return {"estimate": f"the planner has no model of recipes/{recipe}.py under this launch"}
     spec = model_spec(accelerator.unwrap_model(model).config, args.task, "run")
     seq = None if args.task == "image-classification" else args.max_seq_length
     precision = "bf16" if args.mixed_precision in ("bf16", "fp16") else "fp32"
@@ -59,11 +73,12 @@ def _memory_estimate(recipe: str, accelerator, args, model) -> dict:
 
         free = psutil.virtual_memory().available // accelerator.num_processes
         need = p.device_peak + p.host + CPU_RUNTIME_BYTES
-    return {"technique": tech.name, "predicted_peak_bytes_per_process": int(need),
-            "available_bytes_per_process": int(free), "fits": bool(need <= free)}
+    return {"technique": tech.name, "predicted_peak_per_process": fmt(need), "available_per_process": fmt(free),
+            "predicted_peak_bytes_per_process": int(need), "available_bytes_per_process": int(free),
+            "fits": bool(need <= free)}
 
 
-def stop_if_preflight(accelerator, args, task, model, optimizer) -> None:
+def stop_if_preflight(accelerator, args, task, model, optimizer: object | None) -> None:
     """With --preflight: report the resolved run and end it before its first step. Otherwise nothing.
 
     Called by the recipe after prepare() (DeepSpeed fills its "auto" values there) and resume() (a checkpoint that
@@ -96,7 +111,7 @@ def report(accelerator, args, task, model, optimizer) -> None:
         * accelerator.num_processes,
         "max_train_steps": args.max_train_steps,
         "learning_rate": args.learning_rate,
-        "optimizer": type(stepping_optimizer(optimizer)).__name__,
+        "optimizer": None if optimizer is None else type(stepping_optimizer(optimizer)).__name__,  # None: PTQ
         "trainable_parameters_this_process": trainable,
         "deepspeed_config": getattr(getattr(accelerator.state, "deepspeed_plugin", None), "deepspeed_config", None),
         "fsdp_plugin": repr(getattr(accelerator.state, "fsdp_plugin", None)),
@@ -108,10 +123,12 @@ def report(accelerator, args, task, model, optimizer) -> None:
         (out / "preflight.json").write_text(json.dumps(resolved, indent=2, default=str))
         print(json.dumps(resolved, indent=2, default=str))
         if resolved["memory"].get("fits") is False:
-            print("WARNING: the predicted peak exceeds the memory available: see docs/planner.md and "
-                  "`python -m shared.plan` for combinations that fit.")
+            m = resolved["memory"]
+            print(f"WARNING: the predicted peak, {m['predicted_peak_per_process']} per process, exceeds the "
+                  f"{m['available_per_process']} available: run `python -m shared.plan` with this model and "
+                  "hardware for the combinations that fit (docs/planner.md).")
     accelerator.wait_for_everyone()
-    accelerator.end_training()
+    end_run(accelerator)  # the same exit as a finished run (a gloo exit deadlock otherwise)
     raise SystemExit(3 if resolved["memory"].get("fits") is False else 0)
 
 

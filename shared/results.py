@@ -74,6 +74,12 @@ def write_results(accelerator, args: argparse.Namespace, results: dict) -> dict:
         metrics = ("train_loss", "eval_accuracy", "eval_loss", "eval_perplexity")
         logger.info("results: %s", {k: results[k] for k in metrics if k in results})
         logger.info("wrote %s", out / "results.json")
+    end_run(accelerator)
+    return results
+
+
+def end_run(accelerator) -> None:
+    """Close the trackers before the process exits (a finished run, or a preflight that stops before training)."""
     accelerator.end_training()
     if accelerator.num_processes > 1:
         # torch 2.13 + gloo: a worker thread may still be freeing a finished collective's tensors (which takes the
@@ -81,7 +87,6 @@ def write_results(accelerator, args: argparse.Namespace, results: dict) -> dict:
         # deadlock at exit, seen in 1 of 8 two-process runs (pytorch/pytorch#56297). Sleeping releases the GIL so
         # the thread finishes first.
         time.sleep(0.2)
-    return results
 
 
 def save_model(accelerator, model: torch.nn.Module, task, output_dir: str) -> None:

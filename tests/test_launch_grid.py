@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -37,8 +38,9 @@ class ReachedAccelerator(Exception):
     """main() got past every check that runs before the Accelerator is built."""
 
 
-def launch_env(config: str) -> dict[str, str]:
-    """The variables `accelerate launch --config_file accelerate_configs/<config>` sets for the script it runs."""
+def launch_env(config: str, launch_args: Sequence[str] = ()) -> dict[str, str]:
+    """The variables `accelerate launch --config_file accelerate_configs/<config> [launch_args]` sets for the script
+    it runs."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import (
         prepare_deepspeed_cmd_env,
@@ -46,7 +48,7 @@ def launch_env(config: str) -> dict[str, str]:
         prepare_simple_launcher_cmd_env,
     )
 
-    args = launch_command_parser().parse_args(["--config_file", str(CONFIGS / config), "recipe.py"])
+    args = launch_command_parser().parse_args(["--config_file", str(CONFIGS / config), *launch_args, "recipe.py"])
     args, defaults, mp_from_config = _validate_launch_command(args)
     if args.use_deepspeed and not args.cpu:  # as accelerate.commands.launch.launch_command dispatches
         fields = list(defaults.deepspeed_config.keys()) if defaults else []
@@ -61,8 +63,10 @@ def launch_env(config: str) -> dict[str, str]:
     return {**env, "WORLD_SIZE": str(args.num_processes if args.num_processes > 1 else 1)}
 
 
-def verdict(recipe: str, config: str, tmp: Path) -> str | None:
-    """None when the pair gets as far as building the Accelerator; else the message that stopped it."""
+def verdict(recipe: str, config: str, tmp: Path, launch_args: Sequence[str] = (), args: Sequence[str] = ()
+            ) -> str | None:
+    """None when the pair gets as far as building the Accelerator; else the message that stopped it. launch_args
+    and args: what a command line adds before and after the recipe (shared/plan.py's commands)."""
     saved = dict(os.environ)
     module = load_recipe(recipe)
 
@@ -72,9 +76,10 @@ def verdict(recipe: str, config: str, tmp: Path) -> str | None:
     module.Accelerator = stop  # the recipe's own name for it: everything before this line runs for real
     os.environ.clear()
     os.environ.update({k: v for k, v in saved.items() if not k.startswith(("ACCELERATE_", "FSDP_"))})
-    os.environ.update(launch_env(config))
+    os.environ.update(launch_env(config, launch_args))
     try:
-        module.main(["--report_to", "none", "--output_dir", str(tmp / "out"), *extra_args(recipe, config, tmp)])
+        module.main(["--report_to", "none", "--output_dir", str(tmp / "out"), *extra_args(recipe, config, tmp),
+                     *args])
     except ReachedAccelerator:
         return None
     except SystemExit as e:

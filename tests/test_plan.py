@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -284,3 +286,137 @@ def test_quick_matrix_runs_and_writes_its_outputs(fresh_matrix):
 def test_planner_vs_measured_now(fresh_matrix):
     failures = _compare(fresh_matrix[1]["rows"])
     assert not failures, failures
+
+
+# ---------------------------------------------------------------- the printed commands, as a user runs them
+
+
+def _planned(capsys, *argv: str) -> tuple[str, list[str]]:
+    """The planner's output for a tiny model, and the commands it prints."""
+    plan.main(["--task", "causal-lm", "--seq_len", "32", "--per_device_batch_size", "4", "--kernels", "cpu", *argv])
+    out = capsys.readouterr().out
+    return out, [line.strip() for line in out.splitlines() if line.strip().startswith("accelerate launch")]
+
+
+def _parts(command: str, tmp_path: Path) -> tuple[str, list[str], str, list[str]]:
+    """(config, launch flags, recipe, recipe flags) of a printed command, its placeholders filled for this machine."""
+    fill = {"NVME_DIR": str(tmp_path / "nvme"), "MACHINE_RANK": "0", "MAIN_IP": "127.0.0.1"}
+    assert set(re.findall(r"\b[A-Z][A-Z_]{3,}\b", command)) <= set(plan.PLACEHOLDERS), command
+    words = [fill.get(w, w) for w in shlex.split(command)]
+    assert words[:2] == ["accelerate", "launch"], command
+    i = next(k for k, w in enumerate(words) if w.endswith(".py"))
+    launch_args = words[2:i]
+    config = launch_args[launch_args.index("--config_file") + 1].removeprefix("accelerate_configs/")
+    launch_args = [w for w in launch_args if w not in ("--config_file", f"accelerate_configs/{config}")]
+    return config, launch_args, Path(words[i]).stem, words[i + 1:]
+
+
+HARDWARE = [("1 GPU", ["--num_gpus", "1"]), ("2 GPUs", ["--num_gpus", "2"]),
+            ("2 nodes of 8", ["--num_gpus", "16", "--gpus_per_node", "8"])]
+
+
+@pytest.mark.parametrize("hardware", [h for _, h in HARDWARE], ids=[name for name, _ in HARDWARE])
+def test_every_printed_command_starts_as_printed(hardware, capsys, tmp_path):
+    """Each command launches the process count planned, with the flags its recipe needs (--nvme_path), and the
+    recipe's own start-up (shared/compat.py, the DeepSpeed settings) accepts it: run up to its Accelerator."""
+    from tests.test_launch_grid import launch_env, verdict
+
+    out, commands = _planned(capsys, *hardware)
+    n = int(hardware[1])
+    assert len(commands) >= 10, out
+    for command in commands:
+        config, launch_args, recipe, args = _parts(command, tmp_path)
+        assert launch_env(config, launch_args)["WORLD_SIZE"] == str(n), command
+        assert ("--nvme_path" in args) == (config == "zero3_nvme.yaml"), command
+        with capsys.disabled():  # DeepSpeed's async_io check compiles a probe through the real stderr
+            assert verdict(recipe, config, tmp_path, launch_args, args) is None, command
+    if n == 1:  # fsdp.py refuses 1 process: not planned, and the reason is shown
+        assert "recipes/fsdp.py" not in "\n".join(commands)
+        assert "cannot run: recipes/fsdp.py needs at least 2 processes" in out
+        assert "--config_file accelerate_configs/zero3_offload.yaml --num_processes 1 recipes/zero3_offload.py" in out
+        assert "fill in NVME_DIR: a directory on a local NVMe drive" in out
+    if "--gpus_per_node" in hardware:
+        assert "fill in MACHINE_RANK" in out and "--num_machines 2" in out
+
+
+def test_memory_is_shown_in_gib(capsys):
+    assert plan.fmt(3 * 2**30) == "3.00 GiB" and plan.fmt(5 * 2**20) == "5.0 MiB"
+    out, _ = _planned(capsys, "--gpu_memory", "24GiB")
+    assert "1 device(s) of 24.00 GiB (1.00 GiB reserved)" in out and " GB" not in out
+
+
+def test_nothing_fits_names_the_nearest_fits(capsys):
+    """GPT-2 base, batch 8 x 1024, on one 4 GB device: nothing fits; each suggested change fits, as printed."""
+    argv = ["--task", "causal-lm", "--model_preset", "base", "--gpu_memory", "4GB", "--seq_len", "1024",
+            "--per_device_batch_size", "8"]
+    rows = plan.main(argv)
+    out = capsys.readouterr().out
+    print(out)
+    assert not [p for p, why in rows if not why]
+    assert "Nothing fits as asked. The nearest configurations that fit, and the change each needs:" in out
+    args = plan.build_parser().parse_args(argv)
+    args.gpus_per_node = args.num_gpus
+    config, args.task, _ = plan.load_config(None, "base", "causal-lm", None, None)
+    nearest = plan.nearest_fits(plan.model_spec(config, args.task, "base"), args)
+    changes = [change for change, _, _ in nearest]
+    assert any(c.startswith("--per_device_train_batch_size") for c in changes), changes
+    assert any(c.startswith("offload (") for c in changes), changes
+    assert any(c.startswith("2 GPUs instead of 1 (fsdp") for c in changes), changes
+    usable = args.gpu_memory - args.reserve
+    for change, pred, changed in nearest:
+        assert pred.device_peak <= usable and changed.per_device_batch_size < 8, change
+        assert plan.command(pred.technique, pred.precision, changed) in out
+        assert f"--per_device_train_batch_size {changed.per_device_batch_size} " in change + " "
+    # Not even batch 1 on many devices: say what would have to change instead.
+    plan.main([*argv, "--gpu_memory", "1.05GiB"])
+    assert "Nothing fits, not even at batch 1" in capsys.readouterr().out
+
+
+def test_model_spec_under_zero3_reads_the_whole_model():
+    """Preflight of a ZeRO-3 run builds the planner's meta model while transformers is set up for ZeRO-3: it must
+    see whole shapes, not zero.Init's 1-D partitions (and not copy out of meta tensors)."""
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    for task in AUTO_CLASSES:
+        config, _, _ = plan.load_config(None, "tiny", task, 1000, None)
+        plain = plan.model_spec(config, task, "x")
+        ds = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+        try:
+            under_zero3 = plan.model_spec(config, task, "x")
+        finally:
+            unset_hf_deepspeed_config()
+            del ds
+        assert under_zero3 == plain, task
+
+
+# (technique, GPUs): the process-count override (offload configs say 2, multi_gpu.yaml 8), the NVMe placeholder,
+# a quantized single process and FSDP with offload in 2 processes.
+RUN_AS_PRINTED = [("zero3_nvme", "fp32", 1), ("qlora_4bit", "bf16", 1), ("baseline", "fp32", 2),
+                  ("fsdp_offload", "fp32", 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, precision, gpus", RUN_AS_PRINTED, ids=[f"{t}-{n}gpu" for t, _, n in RUN_AS_PRINTED])
+def test_printed_command_trains_one_step(name, precision, gpus, capsys, tmp_path):
+    """The planner's command for the tiny model, run as printed (placeholders filled) for one step on this CPU."""
+    from tests.conftest import free_port
+
+    _, commands = _planned(capsys, "--num_gpus", str(gpus))
+    tech = next(t for t in plan.TECHNIQUES if t.name == name)
+    args = plan.build_parser().parse_args(["--task", "causal-lm", "--seq_len", "32", "--per_device_batch_size", "4",
+                                           "--num_gpus", str(gpus)])
+    args.gpus_per_node = gpus
+    command = plan.command(tech, precision, args)
+    assert command in commands, commands
+    config, launch_args, recipe, recipe_args = _parts(command, tmp_path)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(plan.CONFIGS / config),
+           *launch_args, "--main_process_port", str(free_port()), str(ROOT / "recipes" / f"{recipe}.py"),
+           *recipe_args, "--max_train_steps", "1", "--report_to", "none", "--no_save_model", "--max_train_samples",
+           "32", "--max_eval_samples", "16", "--output_dir", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode == 0, command + "\n" + proc.stdout[-2000:] + proc.stderr[-5000:]
+    r = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert (r["recipe"], r["num_processes"], r["max_train_steps"]) == (recipe, gpus, 1)
+    assert r["train_loss"] is not None and r["mixed_precision"] == ("no" if precision == "fp32" else precision)

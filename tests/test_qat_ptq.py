@@ -1,6 +1,8 @@
 """QAT (torchao): trains fake-quantized, converts to a real quantized model that is smaller on disk, and reports its
 metric next to the fake-quantized one and to PTQ of the same starting model. PTQ for serving: dynamic int8."""
 
+import json
+
 import pytest
 import torch
 
@@ -72,3 +74,18 @@ def run_recipe_ptq(model_dir, out):
 def test_ptq_needs_a_trained_model(tmp_path):
     with pytest.raises(SystemExit, match="pass --model_name_or_path"):
         load_recipe("ptq").main(["--output_dir", str(tmp_path)])
+
+
+def test_ptq_preflight_stops_before_quantizing(trained, tmp_path):
+    """--preflight, which every recipe takes, reports PTQ's resolved run and stops before it quantizes."""
+    _reset_accelerate()
+    try:
+        with pytest.raises(SystemExit) as exc:
+            load_recipe("ptq").main(["--task", "causal-lm", "--model_name_or_path", str(trained), "--preflight",
+                                     "--max_eval_samples", "16", "--report_to", "none", "--output_dir", str(tmp_path)])
+    finally:
+        _reset_accelerate()
+    assert exc.value.code == 0
+    resolved = json.loads((tmp_path / "preflight.json").read_text())
+    assert resolved["recipe"] == "ptq" and resolved["optimizer"] is None
+    assert not (tmp_path / "quantized_model.pt").exists() and not (tmp_path / "results.json").exists()
