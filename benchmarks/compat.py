@@ -1,8 +1,9 @@
 """The compatibility matrix: every combination of sharding x offload x weights (8-bit optimizer, LoRA, int8 / NF4
-base) x activation checkpointing x precision, each run for real in 2 processes through recipes/combined.py.
+base) x activation checkpointing x precision, each run for real in 2 processes through recipes/combined.py; and
+torchao's 8-bit, 4-bit and FP8 AdamW, through recipes/optim_low_bit.py, under every sharding + offload row.
 
-    python benchmarks/compat.py              # 144 combinations, ~45 min on 2 CPU cores (see default_cells)
-    python benchmarks/compat.py --all        # all 360
+    python benchmarks/compat.py              # 183 combinations, ~60 min on 2 CPU cores (see default_cells)
+    python benchmarks/compat.py --all        # all 468
     python benchmarks/compat.py --quick      # one cell per outcome, for the tests
     python benchmarks/compat.py --only zero3 --only lora
 
@@ -53,7 +54,12 @@ WEIGHTS = {
     "lora": ["--lora"],
     "int8+lora": ["--load_in", "8bit", "--lora"],
     "nf4+lora": ["--load_in", "4bit", "--lora"],
+    "ao-8bit-optim": ["--optim", "adamw_8bit"],
+    "ao-4bit-optim": ["--optim", "adamw_4bit"],
+    "ao-fp8-optim": ["--optim", "adamw_fp8"],
 }
+# torchao's low-bit AdamWs are shown by their own recipe (it has no --gradient_checkpointing); the rest by combined.py.
+RECIPE_OF = {w: "recipes/optim_low_bit.py" for w in ("ao-8bit-optim", "ao-4bit-optim", "ao-fp8-optim")}
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 QUICK = [  # cells of the default sweep: a combination that works, and two that were broken and are now refused
@@ -83,19 +89,21 @@ class Cell:
             recipe_args.append("--gradient_checkpointing")
         if self.weights == "nf4+lora" and self.sharding in ("zero3", "fsdp"):
             recipe_args += ["--bnb_4bit_quant_storage", "bfloat16"]
-        if self.offload == "nvme":
+        if self.offload == "nvme" and self.weights not in RECIPE_OF:  # recipes that set up DeepSpeed take a path
             recipe_args += ["--nvme_path", str((out or Path("/tmp/nvme")) / "nvme")]
         launch = ["accelerate", "launch", "--config_file", f"accelerate_configs/{config}", *offloads[self.offload]]
-        recipe = ["benchmarks/compat_cell.py", "recipes/combined.py"] if probe else ["recipes/combined.py"]
+        recipe = [RECIPE_OF.get(self.weights, "recipes/combined.py")]
+        recipe = ["benchmarks/compat_cell.py", *recipe] if probe else recipe
         return [*launch, *recipe, "--task", "causal-lm", *recipe_args]
 
 
 def all_cells() -> list[Cell]:
-    """The whole product (--all): 360 runs, about 2 h on 2 CPU cores."""
+    """The whole product (--all): 468 runs, about 2.5 h on 2 CPU cores."""
     cells = []
     for sharding, (_, offloads) in SHARDING.items():
         for offload, weights, ckpt, precision in itertools.product(offloads, WEIGHTS, (False, True), PRECISIONS):
-            cells.append(Cell(sharding, offload, weights, ckpt, precision))
+            if not (ckpt and weights in RECIPE_OF):
+                cells.append(Cell(sharding, offload, weights, ckpt, precision))
     return cells
 
 
@@ -114,6 +122,10 @@ def default_cells() -> list[Cell]:
                 cells.append(Cell(sharding, offload, "full", False, "fp32"))
                 continue
             for weights in WEIGHTS:
+                if weights in RECIPE_OF:  # torchao's optimizers, no checkpointing; ZeRO is refused whatever the dtype
+                    precisions = ("fp32",) if sharding.startswith("zero") else ("fp32", "bf16")
+                    cells += [Cell(sharding, offload, weights, False, p) for p in precisions]
+                    continue
                 cells += [Cell(sharding, offload, weights, True, p) for p in ("fp32", "bf16")]
                 if weights in ("full", "lora"):
                     cells.append(Cell(sharding, offload, weights, False, "fp32"))
@@ -165,7 +177,7 @@ def run_cell(cell: Cell, out: Path, timeout: int) -> dict:
     elif code is None:
         row.update(status="broken", detail=f"hung: no end within {timeout} s")
     elif refused and not broken:
-        message = refused[0].read_text().strip()
+        message = refused[0].read_text().strip().removeprefix("Refused before training: ")  # every refusal says it
         stopped = message.startswith("Stopped:")  # the numerical guards: it trained, then diverged
         row.update(status="broken" if stopped else "refused", detail=message)
     elif broken:
@@ -197,6 +209,8 @@ def what_went_wrong(cell: Cell, r: dict) -> list[str]:
         problems.append("LoRA but most parameters train")
     if cell.weights == "8bit-optim" and "8bit" not in str(r.get("optimizer_class")).lower():
         problems.append(f"optimizer {r.get('optimizer_class')}, not 8-bit")
+    if cell.weights in RECIPE_OF and not r.get("tensors_with_quantized_state"):
+        problems.append(f"optimizer {r.get('optimizer_class')} kept no quantized state")
     return problems
 
 
@@ -209,14 +223,15 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}; {time.strftime('%Y-%m-%d')}"
 
 
-def write_outputs(rows: list[dict], out_dir: Path, quick: bool) -> None:
+def write_outputs(rows: list[dict], out_dir: Path, quick: bool, machine_note: str | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"machine": machine(), "quick": quick, "rows": rows}
+    report = {"machine": machine_note or machine(), "quick": quick, "rows": rows}
     (out_dir / "compat.json").write_text(json.dumps(report, indent=1))
     counts = {s: sum(r["status"] == s for r in rows) for s in ("works", "refused", "broken")}
     lines = [f"# Compatibility matrix{' (quick)' if quick else ''}", "",
              f"Made by `python benchmarks/compat.py` on {report['machine']}.",
-             "Every cell is a real run of recipes/combined.py in 2 processes (tiny GPT-2, built-in data, 2 steps). "
+             "Every cell is a real run of recipes/combined.py (the ao- optimizers: recipes/optim_low_bit.py) in 2 "
+             "processes (tiny GPT-2, built-in data, 2 steps). "
              "**works**: trained, with 2 processes, the sharding, offload and precision asked for (checked on the "
              "run, not on the config), a finite loss, LoRA / quantized layers present when asked. **refused**: "
              "stopped before training with the message shown. **broken**: crashed, hung, or did something else.",
@@ -289,7 +304,7 @@ def plot(rows: list[dict], cols: list[tuple], path: Path) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="One cell per outcome (the tests run it).")
-    ap.add_argument("--all", action="store_true", help="Every combination (360 runs).")
+    ap.add_argument("--all", action="store_true", help="Every combination (468 runs).")
     ap.add_argument("--only", action="append", default=[],
                     help="Keep cells whose name contains this (repeatable: all must match).")
     ap.add_argument("--output_dir", default=str(ROOT / "docs" / "results"))
@@ -309,11 +324,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         bar.set_postfix_str(cell.name)
         rows.append(run_cell(cell, work / f"{i:03d}", args.timeout))
         bar.write(f"{rows[-1]['status']:8s} {cell.name}: {(rows[-1].get('detail') or '')[:150]}")
+    note = None
     if args.update:
-        previous = json.loads((Path(args.output_dir) / "compat.json").read_text())["rows"]
+        previous = json.loads((Path(args.output_dir) / "compat.json").read_text())
         new = {r["name"]: r for r in rows}
-        rows = [new.pop(r["name"], r) for r in previous] + list(new.values())
-    write_outputs(rows, Path(args.output_dir), args.quick)
+        note = f"{previous['machine'].split(' (')[0]} ({len(new)} cells updated on {machine()})"
+        rows = [new.pop(r["name"], r) for r in previous["rows"]] + list(new.values())
+    write_outputs(rows, Path(args.output_dir), args.quick, note)
     return rows
 
 

@@ -73,7 +73,8 @@ def main(argv=None) -> dict:
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
     launch = resolve_launch(
         args, RECIPE, deepspeed_config=ds_config, base_weights={"full": "full", "8bit": "int8", "4bit": "nf4"}[
-            args.load_in], quant_storage=args.bnb_4bit_quant_storage, lora=args.lora, optimizer=args.optim,
+            args.load_in], quant_storage=args.bnb_4bit_quant_storage, lora=args.lora,
+        optimizer={"adamw_8bit": "bnb_adamw_8bit"}.get(args.optim, args.optim),  # its 8-bit is bitsandbytes'
         flags={"base_weights": f"--load_in {args.load_in}", "quant_storage": "--bnb_4bit_quant_storage",
                "lora": "--lora", "optimizer": f"--optim {args.optim}"})
     accelerator = Accelerator(

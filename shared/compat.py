@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
+TORCHAO_OPTIMIZERS = ("adamw_8bit", "adamw_4bit", "adamw_fp8")  # Run.optimizer names of torchao.optim's AdamWs
 _CLASSIC = ("none", "ddp")  # one process, or DDP replicas: what a recipe that shows no sharding runs under
 _ZERO = ("zero1", "zero2", "zero3")
 
@@ -39,6 +40,9 @@ RECIPES: dict[str, Support] = {
     "activation_checkpointing": Support(instead="recipes/combined.py --gradient_checkpointing"),
     "data_parallel": Support(instead=_SHARDED),
     "optim_8bit": Support(instead="recipes/combined.py --optim adamw_8bit (ZeRO-1/2 without offload)"),
+    # torchao's optimizers train under DDP and FSDP2 (benchmarks/compat.py); ZeRO: see the rule below.
+    "optim_low_bit": Support(shardings=(*_CLASSIC, "fsdp"), instead="accelerate_configs/multi_cpu.yaml (DDP), "
+                             "fsdp.yaml or fsdp_offload.yaml (FSDP2)"),
     "pruning": Support(instead="a single process or DDP (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml)"),
     "qat": Support(instead="a single process or DDP (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml)"),
     "ptq": Support(shardings=("none",), max_processes=1, instead="`python recipes/ptq.py` (one process)"),
@@ -73,7 +77,8 @@ class Run:
     base_weights: str = "full"  # full | int8 | nf4 (bitsandbytes)
     quant_storage: str = "uint8"
     lora: bool = False
-    optimizer: str = "adamw"  # adamw | adamw_8bit
+    # adamw (torch) | bnb_adamw_8bit (bitsandbytes) | adamw_8bit, adamw_4bit, adamw_fp8 (torchao)
+    optimizer: str = "adamw"
     spread_devices: bool = False  # one model over several devices (device_map="auto")
     merge_unsaved: bool = False  # merge an adapter that is not saved
     stages_per_replica: int = 0  # pipeline stages inside each data-parallel replica (0: no such mesh)
@@ -109,6 +114,16 @@ def _processes(n: int) -> str:
 
 
 RULES: tuple[Rule, ...] = (
+    # First: the specific reason reads before the generic 'does not implement' one.
+    Rule(lambda r: r.optimizer in TORCHAO_OPTIMIZERS and r.sharding.startswith("zero"),
+         # Measured 2026-12-01, 2 processes: tiny GPT-2 kept all state in 32 bits under ZeRO-1/2/3 (loss identical
+         # to torch AdamW's); at width 256 one of ZeRO-2's two partitions was quantized.
+         lambda r: f"{r.flag('optimizer')} under DeepSpeed ZeRO-{r.sharding[-1]}: torchao's optimizer would step "
+                   "DeepSpeed's flat fp32 partitions (one per parameter group and process), quantized only when a "
+                   "partition's size is a multiple of its block size and otherwise silently kept in 32 bits, beside "
+                   "DeepSpeed's own fp32 master copy",
+         lambda r: "use DDP or FSDP2 with torchao's optimizers (accelerate_configs/multi_cpu.yaml, fsdp.yaml, "
+                   "fsdp_offload.yaml), or bitsandbytes' 8-bit under ZeRO-1/2: recipes/combined.py --optim adamw_8bit"),
     Rule(lambda r: _kind(r.launched) in ("zero", "fsdp") and _kind(r.sharding) != _kind(r.launched),
          lambda r: f"the launch config asks for {_launch_words(r)}, and recipes/{r.recipe}.py runs "
                    f"{'DeepSpeed' if _kind(r.sharding) == 'zero' else 'FSDP'} itself",
@@ -163,13 +178,13 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda r: r.merge_unsaved,
          lambda r: f"{r.flag('merge_unsaved')} merges the saved adapter, and --no_save_model skips saving it",
          lambda r: "drop one of them"),
-    Rule(lambda r: r.optimizer == "adamw_8bit" and r.sharding.startswith("zero") and r.offload != "none",
+    Rule(lambda r: r.optimizer == "bnb_adamw_8bit" and r.sharding.startswith("zero") and r.offload != "none",
          # Accelerate swaps any optimizer for DeepSpeedCPUAdam under ZeRO offload: 32-bit state, not the 8-bit asked.
          lambda r: f"{r.flag('optimizer')} with ZeRO {r.offload} offload: the offloaded step runs DeepSpeedCPUAdam "
                    "(32-bit state in host memory), so the 8-bit optimizer would silently not be used",
          lambda r: f"drop {r.flag('optimizer')} (offload already moves the state off the device), or drop the "
                    "offload"),
-    Rule(lambda r: r.optimizer == "adamw_8bit" and r.sharding == "fsdp",
+    Rule(lambda r: r.optimizer == "bnb_adamw_8bit" and r.sharding == "fsdp",
          lambda r: f"{r.flag('optimizer')} under FSDP: bitsandbytes' optimizer kernels do not take FSDP2's sharded "
                    "DTensor parameters (NotImplementedError in optimizer_update)",
          lambda r: "use ZeRO-1/2 or DDP with the 8-bit optimizer, or torch AdamW under FSDP"),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from tqdm.auto import tqdm
 
 # ---------------------------------------------------------------- bytes on live tensors
@@ -23,6 +24,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     # Only a run that shards imports torch.distributed.tensor (0.3 s of import the others, and --help, skip).
     dtensor = sys.modules.get("torch.distributed.tensor")
     return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
+
+
+def _leaves(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors that hold a tensor's bytes: a shard's local piece, and inside a wrapper subclass (torchao's
+    4-bit / 8-bit / FP8 optimizer state) its inner tensors, such as codes, scales and the code book."""
+    t = _local(t)
+    if is_traceable_wrapper_subclass(t):  # a wrapper has no storage of its own (data_ptr raises)
+        for name in t.__tensor_flatten__()[0]:
+            yield from _leaves(getattr(t, name))
+    else:
+        yield t
 
 
 def _storage(t: torch.Tensor) -> tuple[tuple, int] | None:
@@ -64,11 +76,13 @@ def state_bytes(model: nn.Module, optimizer: object | None = None) -> dict[str, 
     seen: set[tuple] = set()
 
     def add(t: torch.Tensor | None) -> int:
-        st = _storage(t) if isinstance(t, torch.Tensor) else None
-        if st is None or st[0] in seen:
-            return 0
-        seen.add(st[0])
-        return st[1]
+        total = 0
+        for leaf in _leaves(t) if isinstance(t, torch.Tensor) else ():
+            st = _storage(leaf)
+            if st is not None and st[0] not in seen:
+                seen.add(st[0])
+                total += st[1]
+        return total
 
     params = list(model.parameters())
     param_bytes = sum(add(p) + add(getattr(p, "ds_tensor", None)) for p in params)
@@ -93,6 +107,19 @@ def stepping_optimizer(optimizer: object) -> object:
         seen.add(id(optimizer))
         optimizer = optimizer.optimizer
     return optimizer
+
+
+def quantized_state_counts(optimizer: object) -> dict[str, int]:
+    """How many parameters have quantized optimizer state, and how many kept 32-bit state (the libraries leave small
+    tensors unquantized): torchao's state is a tensor subclass, bitsandbytes' 8-bit `state1` is uint8."""
+    counts = {"tensors_with_quantized_state": 0, "tensors_with_32bit_state": 0}
+    for state in stepping_optimizer(optimizer).state.values():
+        moment = state.get("exp_avg", state.get("state1"))
+        if isinstance(moment, torch.Tensor):
+            local = _local(moment)
+            quantized = is_traceable_wrapper_subclass(local) or local.dtype == torch.uint8
+            counts["tensors_with_quantized_state" if quantized else "tensors_with_32bit_state"] += 1
+    return counts
 
 
 def param_fingerprint(model: nn.Module) -> float:

@@ -24,6 +24,8 @@ _LOG_RECORDS: tuple[tuple[str, str, str], ...] = (
 _WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
     (UserWarning, r"fan_in_fan_out is set to False but the target module is `Conv1D`",
      "PEFT sets fan_in_fan_out itself for GPT-2's Conv1D layers, as the message goes on to say"),
+    (UserWarning, r"OptimState(4bit|8bit|Fp8) does not implement _stable_hash_for_caching",
+     "torchao's optimizer-state subclasses lack a cache hash: torch.compile still caches their compiled step"),
 )
 
 

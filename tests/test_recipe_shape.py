@@ -26,6 +26,7 @@ DIFF_BUDGET = {
     "mixed_precision": 41,
     "gradient_accumulation": 47,
     "optim_8bit": 55,
+    "optim_low_bit": 54,
     "fsdp": 55,
     "data_parallel": 63,
     "activation_checkpointing": 75,

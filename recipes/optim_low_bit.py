@@ -1,0 +1,110 @@
+"""Low-bit AdamW in place of torch AdamW: the two moments in 4 bits or FP8 (torchao), or in 8 bits (torchao or
+bitsandbytes), with block-wise scales, for the same update rule. Optimizer state per parameter, counted on the live
+tensors (docs/quantization.md): 8 bytes for fp32 AdamW, about 2 for the 8-bit and FP8 ones, about 1.1 for 4-bit.
+
+--optim adamw_4bit | adamw_fp8 | adamw_8bit: torchao.optim.AdamW4bit / AdamWFp8 / AdamW8bit, whose step is compiled
+(the first step compiles it: tens of seconds on a CPU, cached on disk afterwards). bnb_adamw_8bit: bitsandbytes'.
+Small tensors keep 32-bit state: torchao quantizes a tensor only if it has >= 4096 elements and a multiple of its
+block size (128 for 4-bit, 256 for 8-bit and FP8), judged on each process's shard under FSDP2; bitsandbytes from
+4096 elements (min_8bit_size). results.json counts the tensors of each kind.
+One process, DDP or FSDP2 (with or without CPU offload): the launch config decides. ZeRO is refused: the optimizer
+would step DeepSpeed's flat partitions, often silently in 32 bits. Measured: docs/results/compat.md.
+    accelerate launch recipes/optim_low_bit.py --optim adamw_4bit --task causal-lm
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/optim_low_bit.py --optim adamw_fp8
+"""
+
+import sys
+from pathlib import Path
+
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+from shared.args import parse_args
+from shared.checkpoint import maybe_save_checkpoint, resume
+from shared.compat import offload_of, sharding_of
+from shared.data import endless_batches
+from shared.guard import DivergenceGuard
+from shared.launch import resolve_launch, start_run
+from shared.meter import Meter, quantized_state_counts
+from shared.optim import compile_each_shard_apart, optimizer_and_scheduler, total_steps
+from shared.preflight import stop_if_preflight
+from shared.results import finish
+from shared.tasks import load_task
+
+RECIPE = "optim_low_bit"
+OPTIMIZERS = {"adamw_4bit": "AdamW4bit", "adamw_fp8": "AdamWFp8", "adamw_8bit": "AdamW8bit",  # torchao.optim
+              "bnb_adamw_8bit": "AdamW8bit"}  # bitsandbytes.optim
+
+
+def add_args(p):
+    p.add_argument("--optim", default="adamw_4bit", choices=tuple(OPTIMIZERS),
+                   help="adamw_4bit / adamw_fp8 / adamw_8bit: torchao; bnb_adamw_8bit: bitsandbytes.")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, add_args, description=__doc__)
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    launch = resolve_launch(args, RECIPE, optimizer=args.optim, flags={"optimizer": f"--optim {args.optim}"})
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    # The technique's library, imported once the launch is known to be valid: --help and a refused launch
+    # need not wait for its import (seconds).
+    if args.optim == "bnb_adamw_8bit":
+        import bitsandbytes.optim as library
+    else:
+        import torchao.optim as library
+        if launch.run.sharding == "fsdp":
+            compile_each_shard_apart()  # else a rank may run the other's cached step graph (shared/optim.py)
+    task = load_task(args, accelerator)
+    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    # The technique: a low-bit AdamW, same hyperparameters and parameter groups as torch AdamW.
+    optim_cls = getattr(library, OPTIMIZERS[args.optim])
+    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps, optimizer_cls=optim_cls)
+
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
+    )
+    start_step, consumed = resume(accelerator, args)
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, args, task, model, optimizer)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
+
+    model.train()
+    for step in meter.steps(start_step, max_steps):
+        batch = next(batches)
+        # Normalize by the items (target tokens or samples) of the global batch: gradients are averaged over
+        # processes, and each process's own mean would weigh a token differently from one big batch.
+        num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
+        loss = task.loss(model, batch, num_items)
+        accelerator.backward(loss)
+        if args.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
+        guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
+        optimizer.zero_grad(set_to_none=True)
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+
+    # What was really quantized (small tensors keep 32-bit state), under which sharding.
+    extras = {"sharding": sharding_of(accelerator), "offload": offload_of(accelerator),
+              **quantized_state_counts(optimizer)}
+    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=extras)
+
+
+if __name__ == "__main__":
+    main()
