@@ -26,7 +26,7 @@ from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.compat import offload_of, sharding_of
 from shared.data import endless_batches
 from shared.guard import DivergenceGuard
-from shared.launch import resolve_launch, start_run
+from shared.launch import entrypoint, resolve_launch, start_run
 from shared.meter import Meter, quantized_state_counts
 from shared.optim import compile_each_shard_apart, optimizer_and_scheduler, total_steps
 from shared.preflight import stop_if_preflight
@@ -43,6 +43,7 @@ def add_args(p):
                    help="adamw_4bit / adamw_fp8 / adamw_8bit: torchao; bnb_adamw_8bit: bitsandbytes.")
 
 
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).

@@ -83,6 +83,8 @@ def test_the_accelerator_is_built_in_the_recipe(recipe):
     checked = re.search(r"resolve_launch\(\s*args, RECIPE", source)
     assert checked and checked.start() < source.index("Accelerator(") < source.index("start_run(")
     assert re.search(r"^def add_args\(", source, re.M), "the per-recipe flag hook is add_args in every recipe"
+    # Under `accelerate launch` a refusal is then shown once, in the launcher's summary (shared/launch.py).
+    assert re.search(r"^@entrypoint\b.*\ndef main\(", source, re.M), f"{recipe}: main() lacks @entrypoint"
 
 
 def test_every_recipe_is_in_the_rule_table():
