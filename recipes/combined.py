@@ -51,6 +51,7 @@ def add_args(p):
     p.add_argument("--optim", default="adamw", choices=("adamw", "adamw_8bit"),
                    help="adamw_8bit: bitsandbytes' AdamW8bit (moments in 8 bits).")
     p.add_argument("--lora", action="store_true", help="Train LoRA adapters (PEFT) on a frozen base model.")
+    p.add_argument("--use_dora", action="store_true", help="With --lora: DoRA adapters (PEFT use_dora).")
     p.add_argument("--lora_r", type=COUNT, default=8)
     p.add_argument("--lora_alpha", type=COUNT, default=16)
     p.add_argument("--load_in", default="full", choices=("full", "8bit", "4bit"),
@@ -73,10 +74,10 @@ def main(argv=None) -> dict:
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
     launch = resolve_launch(
         args, RECIPE, deepspeed_config=ds_config, base_weights={"full": "full", "8bit": "int8", "4bit": "nf4"}[
-            args.load_in], quant_storage=args.bnb_4bit_quant_storage, lora=args.lora,
+            args.load_in], quant_storage=args.bnb_4bit_quant_storage, lora=args.lora, dora=args.use_dora,
         optimizer={"adamw_8bit": "bnb_adamw_8bit"}.get(args.optim, args.optim),  # its 8-bit is bitsandbytes'
         flags={"base_weights": f"--load_in {args.load_in}", "quant_storage": "--bnb_4bit_quant_storage",
-               "lora": "--lora", "optimizer": f"--optim {args.optim}"})
+               "lora": "--lora", "dora": "--use_dora", "optimizer": f"--optim {args.optim}"})
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=args.mixed_precision,
@@ -125,7 +126,7 @@ def main(argv=None) -> dict:
         task.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.lora:
         task.model = get_peft_model(task.model, LoraConfig(
-            r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear",
+            r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear", use_dora=args.use_dora,
             modules_to_save=[h for h in head_names(task.model) if h != "lm_head"] or None))  # new heads train fully
 
     max_steps = total_steps(args, accelerator, task.train_dataloader)
@@ -168,7 +169,7 @@ def main(argv=None) -> dict:
         maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
 
     extras = {"sharding": sharding_of(accelerator), "offload": offload_of(accelerator), "lora": args.lora,
-              "gradient_checkpointing": args.gradient_checkpointing, "load_in": args.load_in,
+              "use_dora": args.use_dora, "gradient_checkpointing": args.gradient_checkpointing, "load_in": args.load_in,
               **quantized_weight_bytes(model),  # ZeRO-3 numels live in ds_numel: its parameters are partitioned
               "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad),
               "total_params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())}

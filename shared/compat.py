@@ -77,6 +77,7 @@ class Run:
     base_weights: str = "full"  # full | int8 | nf4 (bitsandbytes)
     quant_storage: str = "uint8"
     lora: bool = False
+    dora: bool = False  # the LoRA adapters as DoRA (PEFT use_dora)
     # adamw (torch) | bnb_adamw_8bit (bitsandbytes) | adamw_8bit, adamw_4bit, adamw_fp8 (torchao)
     optimizer: str = "adamw"
     spread_devices: bool = False  # one model over several devices (device_map="auto")
@@ -151,6 +152,9 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda r: r.base_weights != "full" and not r.lora,
          lambda r: f"{r.flag('base_weights')}: quantized base weights are frozen and cannot train",
          lambda r: f"add {r.flag('lora')} (adapters train on top of them), or load full weights"),
+    Rule(lambda r: r.dora and not r.lora,
+         lambda r: f"{r.flag('dora')} makes the LoRA adapters DoRA adapters, and {r.flag('lora')} trains none",
+         lambda r: f"add {r.flag('lora')}, or drop {r.flag('dora')}"),
     Rule(lambda r: r.base_weights == "int8" and r.sharded_params,
          lambda r: f"{r.flag('base_weights')} under {r.sharding}: int8 bitsandbytes weights cannot be sharded",
          lambda r: f"use 4-bit weights with {r.flag('quant_storage')} bfloat16, or ZeRO-1/2 / DDP"),

@@ -342,6 +342,9 @@ CASES = [
     Case("resume-at-the-end", "resuming a checkpoint at the last step (nothing to train, train_loss None)", [],
          ["is at step 2, and this run has 2 steps: nothing is left to train", "Raise --max_train_steps"],
          setup=lambda t: ["--resume_from_checkpoint", _finished_checkpoint(t)]),
+    Case("dora-without-lora", "DoRA asked for with no LoRA adapters to shape", ["--use_dora"],
+         ["--use_dora makes the LoRA adapters DoRA adapters, and --lora trains none", "Add --lora"],
+         recipe="combined"),
     # ---- recipe flags out of range
     Case("zero-lora-rank", "a LoRA rank of 0", ["--lora_r", "0"], ["--lora_r: must be at least 1"], recipe="qlora"),
     Case("lora-dropout-of-one", "a LoRA dropout of 1 (every adapter input dropped)", ["--lora_dropout", "1"],

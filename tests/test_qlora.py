@@ -227,3 +227,12 @@ def test_dora_adds_one_magnitude_per_output_and_reloads(tmp_path):
     task = load_task(parsed, Accelerator(cpu=True))
     assert task.evaluate(model, task.eval_dataloader, Accelerator(cpu=True))["eval_loss"] == pytest.approx(
         dora["eval_loss"], abs=1e-5)
+
+
+def test_dora_trains_sharded_in_two_processes(tmp_path):
+    """combined.py --lora --use_dora under FSDP2: the magnitudes are sharded like any parameter and train."""
+    r = launch("combined", tmp_path, "--lora", "--use_dora", "--task", "causal-lm", "--max_train_steps", 3,
+               "--mixed_precision", "bf16", "--no_save_model", config="fsdp.yaml")
+    assert (r["distributed_type"], r["num_processes"], r["use_dora"]) == ("FSDP", 2, True)
+    assert r["trainable_params"] == 16384 + 2 * (192 + 64 + 256 + 64)  # LoRA's, plus one magnitude per output
+    assert r["train_loss"] is not None and r["train_loss"] < 6.0
