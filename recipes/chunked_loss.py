@@ -9,8 +9,6 @@ One process, DDP, ZeRO-1/2/3 or FSDP2: the launch config decides (the head modul
         --model_name_or_path meta-llama/Llama-3.2-1B --mixed_precision bf16
 """
 
-import itertools
-import os
 import sys
 from pathlib import Path
 
@@ -24,7 +22,7 @@ from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.chunked_loss import ChunkedLoss, check_args
 from shared.compat import sharding_of
 from shared.data import endless_batches
-from shared.deepspeed_setup import add_deepspeed_args, resolve_deepspeed_config, zero_config
+from shared.deepspeed_setup import add_deepspeed_args, launched_deepspeed_config
 from shared.guard import DivergenceGuard
 from shared.launch import entrypoint, resolve_launch, start_run
 from shared.meter import Meter
@@ -48,11 +46,9 @@ def add_args(p):
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__, task="causal-lm")
     check_args(args)  # only a causal LM has vocabulary logits to chunk: refused before anything loads
-    ds_config = plugin = None
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # the launch config chose DeepSpeed, as in combined.py
-        stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))
-        ds_config = resolve_deepspeed_config(args, zero_config(stage))  # offload: the launch config's
-        plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=ds_config["zero_optimization"]["stage"] == 3)
+    ds_config = launched_deepspeed_config(args)  # the launch config chose DeepSpeed: its stage and offload, checked
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=ds_config["zero_optimization"]["stage"] == 3
+                             ) if ds_config else None
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
     launch = resolve_launch(args, RECIPE, deepspeed_config=ds_config)
     accelerator = Accelerator(
@@ -82,12 +78,7 @@ def main(argv=None) -> dict:
     meter = Meter(accelerator, args, task, model, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
     chunked_loss = ChunkedLoss(args.loss_chunk_size, max_tokens=args.per_device_train_batch_size * args.max_seq_length)
-    # Plain vs chunked saved-for-backward bytes on the first batch, before the meter's peak starts: the plain loss's
-    # full logits are built once here, and are not this run's peak.
-    first = next(batches)
-    with accelerator.autocast():
-        measured = chunked_loss.saved_bytes(model, first)
-    batches = itertools.chain([first], batches)
+    measured, batches = chunked_loss.measure_first_batch(accelerator, model, batches)  # plain vs chunked bytes
 
     model.train()
     for step in meter.steps(start_step, max_steps):

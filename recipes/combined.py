@@ -10,7 +10,6 @@ refused before training (with why), is measured by benchmarks/compat.py: docs/re
 Each technique on its own, explained: recipes/activation_checkpointing.py, optim_8bit.py, qlora.py, zero.py, fsdp.py.
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside
 
 from shared.args import COUNT, parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
+from shared.chunked_loss import ChunkedLoss, check_args
 from shared.compat import offload_of, sharding_of
 from shared.data import endless_batches
 from shared.deepspeed_setup import (
@@ -29,9 +29,8 @@ from shared.deepspeed_setup import (
     count_model_states_at_first_step,
     deepspeed_summary,
     gathered_parameters,
-    resolve_deepspeed_config,
+    launched_deepspeed_config,
     schedule_the_optimizer_that_steps,
-    zero_config,
 )
 from shared.guard import DivergenceGuard
 from shared.launch import entrypoint, resolve_launch, start_run
@@ -39,7 +38,7 @@ from shared.meter import Meter
 from shared.models import AUTO_CLASSES, HEAD_NAMES
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.preflight import stop_if_preflight
-from shared.quant import COMPUTE_DTYPES, fit_cpu_4bit_kernel, head_names, quantized_weight_bytes
+from shared.quant import COMPUTE_DTYPES, head_names, no_cpu_4bit_repacking, quantized_weight_bytes
 from shared.results import finish
 from shared.tasks import load_task
 
@@ -56,6 +55,10 @@ def add_args(p):
     p.add_argument("--lora_alpha", type=COUNT, default=16)
     p.add_argument("--load_in", default="full", choices=("full", "8bit", "4bit"),
                    help="Base weights: full precision, or quantized by bitsandbytes (needs --lora).")
+    p.add_argument("--chunked_loss", action="store_true",
+                   help="causal-lm: the loss over chunks of tokens, the head inside each chunk and recomputed in "
+                        "backward, so the full logits never exist (recipes/chunked_loss.py).")
+    p.add_argument("--loss_chunk_size", type=COUNT, default=1024, help="Tokens per chunk, with --chunked_loss.")
     p.add_argument("--bnb_4bit_quant_storage", default="uint8", choices=("uint8", "bfloat16", "float16", "float32"),
                    help="Dtype the packed 4-bit weights are stored in; ZeRO-3 / FSDP need the model's dtype.")
     add_deepspeed_args(p)
@@ -64,10 +67,11 @@ def add_args(p):
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
-    ds_config = plugin = None
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # the launch config chose DeepSpeed: settings resolved
-        stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))  # and checked as in recipes/zero.py
-        ds_config = resolve_deepspeed_config(args, zero_config(stage))  # offload: the launch config's
+    if args.chunked_loss:
+        check_args(args)  # only a causal LM has vocabulary logits to chunk
+    ds_config = launched_deepspeed_config(args)  # the launch config chose DeepSpeed: its stage and offload, checked
+    plugin = None
+    if ds_config:
         stage3 = ds_config["zero_optimization"]["stage"] == 3
         # zero.Init builds a full-precision model already partitioned; a quantized one is loaded whole, then split.
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=stage3 and args.load_in == "full")
@@ -118,7 +122,7 @@ def main(argv=None) -> dict:
             # ZeRO-3 / FSDP place the shards themselves; otherwise each process holds its copy on its device.
             device_map=None if sharded else {"": accelerator.device}, dtype=storage if sharded else None,
             trust_remote_code=args.trust_remote_code)
-        fit_cpu_4bit_kernel(task.model)  # evaluation would crash on odd layer sizes (shared/quant.py)
+        no_cpu_4bit_repacking(task.model)  # its in-place CPU repacking breaks training (shared/quant.py)
         task.model = prepare_model_for_kbit_training(
             task.model, use_gradient_checkpointing=args.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -150,6 +154,11 @@ def main(argv=None) -> dict:
     if plugin is not None:
         meter.extras.update(deepspeed_summary(accelerator, model))
         count_model_states_at_first_step(meter, model, optimizer)  # ZeRO frees gradients inside its step
+    chunked = None
+    if args.chunked_loss:
+        chunked = ChunkedLoss(args.loss_chunk_size, max_tokens=args.per_device_train_batch_size * args.max_seq_length)
+        measured, batches = chunked.measure_first_batch(accelerator, model, batches)  # plain vs chunked bytes
+        meter.extras.update(measured, loss_chunks=chunked.num_chunks)
 
     model.train()
     for step in meter.steps(start_step, max_steps):
@@ -157,7 +166,11 @@ def main(argv=None) -> dict:
         # Normalize by the items (target tokens or samples) of the global batch: gradients are averaged over
         # processes, and each process's own mean would weigh a token differently from one big batch.
         num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
-        loss = task.loss(model, batch, num_items)
+        if chunked is not None:  # its head runs outside the model's forward, where prepare's autocast does not reach
+            with accelerator.autocast():
+                loss = chunked(model, batch, num_items)
+        else:
+            loss = task.loss(model, batch, num_items)
         accelerator.backward(loss)  # under DeepSpeed also clips (gradient_clipping) and steps the optimizer
         if args.max_grad_norm:
             accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -169,7 +182,8 @@ def main(argv=None) -> dict:
         maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
 
     extras = {"sharding": sharding_of(accelerator), "offload": offload_of(accelerator), "lora": args.lora,
-              "use_dora": args.use_dora, "gradient_checkpointing": args.gradient_checkpointing, "load_in": args.load_in,
+              "use_dora": args.use_dora, "chunked_loss": args.chunked_loss,
+              "gradient_checkpointing": args.gradient_checkpointing, "load_in": args.load_in,
               **quantized_weight_bytes(model),  # ZeRO-3 numels live in ds_numel: its parameters are partitioned
               "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad),
               "total_params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())}

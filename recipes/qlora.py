@@ -34,7 +34,7 @@ from shared.meter import Meter
 from shared.models import AUTO_CLASSES, HEAD_NAMES
 from shared.optim import optimizer_and_scheduler, total_steps
 from shared.preflight import stop_if_preflight
-from shared.quant import COMPUTE_DTYPES, fit_cpu_4bit_kernel, head_names, lora_grad_report, quantized_weight_bytes
+from shared.quant import COMPUTE_DTYPES, head_names, lora_grad_report, no_cpu_4bit_repacking, quantized_weight_bytes
 from shared.results import finish
 from shared.tasks import load_task
 
@@ -124,7 +124,7 @@ def main(argv=None) -> dict:
     model = AUTO_CLASSES[args.task].from_pretrained(
         base_dir, config=config, quantization_config=bnb_config, device_map=device_map, dtype=dtype,
         trust_remote_code=args.trust_remote_code)
-    fit_cpu_4bit_kernel(model)  # evaluation would crash on odd layer sizes (shared/quant.py)
+    no_cpu_4bit_repacking(model)  # bitsandbytes' in-place CPU repacking breaks training (shared/quant.py)
     weight_bytes = quantized_weight_bytes(model)
     # Freezes the base, casts norms and heads to fp32 for stable training, and turns on gradient checkpointing.
     # Non-reentrant checkpointing passes gradients through frozen blocks by itself; the reentrant kind would need

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -170,6 +171,15 @@ class ChunkedLoss:
         head = output_head(model)
         hidden = final_hidden_states(model, head, batch)
         return chunked_cross_entropy(hidden, batch["labels"], head, self.num_chunks) / num_items
+
+    def measure_first_batch(self, accelerator, model: nn.Module, batches: Iterator[dict]
+                            ) -> tuple[dict[str, object], Iterator[dict]]:
+        """saved_bytes on the first batch, before the meter's peak starts (the plain loss's full logits are built
+        once here, and are not the run's peak); returns the figures and the batches, that one first again."""
+        first = next(batches)
+        with accelerator.autocast():
+            measured = self.saved_bytes(model, first)
+        return measured, itertools.chain([first], batches)
 
     def saved_bytes(self, model: nn.Module, batch: dict) -> dict[str, object]:
         """Saved-for-backward bytes of this loss and of the plain one, from the same hidden states of one batch on.

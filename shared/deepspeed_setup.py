@@ -119,6 +119,14 @@ def zero_config(stage: int, offload: str | None = None) -> dict:
     return config
 
 
+def launched_deepspeed_config(args: argparse.Namespace) -> dict | None:
+    """For recipes whose launch config picks the sharding: the DeepSpeed settings when it chose DeepSpeed (stage and
+    offload from it), resolved and checked as recipes/zero.py's; None when it chose anything else."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return None
+    return resolve_deepspeed_config(args, zero_config(int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))))
+
+
 def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> dict:
     """The DeepSpeed config this run trains with. Stops (SystemExit) on any disagreement, naming both sources.
 

@@ -109,19 +109,20 @@ def serialized_bytes(state_dict: dict) -> int:
     return buffer.getbuffer().nbytes
 
 
-def fit_cpu_4bit_kernel(model: nn.Module) -> list[str]:
-    """bitsandbytes' fast CPU path for 4-bit layers in evaluation (AVX512-BF16 machines) repacks each weight and
-    needs its output size to divide by 32 and its input size by the quantization block (64): a model of hidden
-    size 40 trained, then crashed at evaluation (an AssertionError or a bad reshape). Such layers are kept on the
-    plain dequantizing path, the same math; returns their names."""
+def no_cpu_4bit_repacking(model: nn.Module) -> list[str]:
+    """bitsandbytes' fast CPU path for 4-bit layers in evaluation (AVX512-BF16 machines) repacks each weight in place
+    at the first eval-mode forward. Two traps follow: it needs each layer's output size to divide by 32 and its input
+    size by the quantization block (64), else it crashes (a hidden-40 model trained, then failed at evaluation); and
+    a training step after it fails ("a view of a leaf Variable ... in-place operation": an evaluation or a measuring
+    pass before training breaks the run). A model that trains keeps every 4-bit layer on the plain dequantizing
+    path, the same math; returns their names."""
     try:
         from bitsandbytes.nn import Linear4bit
     except ImportError:
         return []
-    moved = []
+    kept = []
     for name, module in model.named_modules():
-        if isinstance(module, Linear4bit) and (module.out_features % 32
-                                               or module.in_features % module.weight.blocksize):
+        if isinstance(module, Linear4bit):
             module.support_avx512bf16_for_cpu = False
-            moved.append(name)
-    return moved
+            kept.append(name)
+    return kept

@@ -345,6 +345,8 @@ CASES = [
     Case("dora-without-lora", "DoRA asked for with no LoRA adapters to shape", ["--use_dora"],
          ["--use_dora makes the LoRA adapters DoRA adapters, and --lora trains none", "Add --lora"],
          recipe="combined"),
+    Case("chunked-loss-for-classification", "a chunked vocabulary loss for a task without a vocabulary head",
+         ["--chunked_loss"], ["has no vocabulary head", "Pass --task causal-lm"], recipe="combined"),
     # ---- recipe flags out of range
     Case("zero-lora-rank", "a LoRA rank of 0", ["--lora_r", "0"], ["--lora_r: must be at least 1"], recipe="qlora"),
     Case("lora-dropout-of-one", "a LoRA dropout of 1 (every adapter input dropped)", ["--lora_dropout", "1"],

@@ -147,33 +147,40 @@ def test_merge_without_saving_stops_before_training(tmp_path):
     assert not (tmp_path / "base_model").exists()
 
 
-def test_odd_layer_sizes_evaluate_on_cpu():
-    """bitsandbytes' packed CPU kernel for 4-bit evaluation (AVX512-BF16 machines) asserts out % 32 == 0 and
-    in % 64 == 0: a hidden-40 model trained, then crashed at evaluation. fit_cpu_4bit_kernel keeps such layers on the
-    dequantizing path; their evaluation output equals the training-mode output (the same math)."""
+def test_4bit_layers_train_after_an_eval_forward_and_evaluate_at_odd_sizes():
+    """bitsandbytes' packed CPU kernel for 4-bit evaluation (AVX512-BF16 machines) repacks weights in place: a
+    training step after an eval forward fails, and a layer of 40 outputs crashes at evaluation. no_cpu_4bit_repacking
+    keeps the layers on the dequantizing path; evaluation then equals the training-mode output (the same math)."""
     import copy
 
     import bitsandbytes as bnb
 
-    from shared.quant import fit_cpu_4bit_kernel
+    from shared.quant import no_cpu_4bit_repacking
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(bnb.nn.Linear4bit(40, 40, compute_dtype=torch.float32, quant_type="nf4"),
-                                bnb.nn.Linear4bit(64, 32, compute_dtype=torch.float32, quant_type="nf4"))
+    model = torch.nn.Sequential(bnb.nn.Linear4bit(64, 40, compute_dtype=torch.float32, quant_type="nf4"),
+                                bnb.nn.Linear4bit(40, 32, compute_dtype=torch.float32, quant_type="nf4"))
     for layer in model:
         layer.weight = bnb.nn.Params4bit(torch.randn(layer.out_features, layer.in_features), requires_grad=False,
                                          quant_type="nf4")
     model = model.to("cpu")  # quantizes
-    x = torch.randn(3, 40)
-    if model[0].support_avx512bf16_for_cpu:  # this machine takes the packed path: without the fix it crashes
-        control = copy.deepcopy(model[0]).eval()
+    x = torch.randn(3, 64)
+    if model[0].support_avx512bf16_for_cpu:  # this machine takes the packed path: without the fix, both traps
+        control = copy.deepcopy(model).eval()
         with torch.no_grad(), pytest.raises((AssertionError, RuntimeError)):
-            control(x)
-    assert fit_cpu_4bit_kernel(model) == ["0"]  # 40 -> 40 does not fit the packed kernel; 64 -> 32 does
+            control(x)  # 40 outputs: not a multiple of 32
+        square = bnb.nn.Linear4bit(64, 64, compute_dtype=torch.float32, quant_type="nf4")
+        square.weight = bnb.nn.Params4bit(torch.randn(64, 64), requires_grad=False, quant_type="nf4")
+        square = square.to("cpu").eval()
+        with torch.no_grad():
+            square(x)
+        with pytest.raises(RuntimeError, match="in-place"):
+            square.train()(x.clone().requires_grad_())
+    assert no_cpu_4bit_repacking(model) == ["0", "1"]
     with torch.no_grad():
-        trained_path = model[0](x)
-        model.eval()
-        assert torch.equal(model[0](x), trained_path)
+        trained_path = model(x)
+        assert torch.equal(model.eval()(x), trained_path)
+    model.train()(x.clone().requires_grad_()).sum().backward()  # training after evaluation still works
 
 
 def test_qlora_on_a_hidden_40_model_evaluates(tmp_path):
