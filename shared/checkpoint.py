@@ -21,6 +21,18 @@ STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
 STAGE_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt")  # in each rank_NNNNN/ of a per-process save
 _signal_received: list[int] = []
+_agreed_signal = [0]  # several processes: the signal they agreed on at the meter's last logging step
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def local_signal() -> int:
+    """The preemption signal this process received (0: none)."""
+    return _signal_received[0] if _signal_received else 0
+
+
+def agree_on_signal(received: list[float]) -> None:
+    """Called by the meter at its logging steps with, for each PREEMPTION_SIGNALS, how many processes got it."""
+    _agreed_signal[0] = next((int(s) for s, n in zip(PREEMPTION_SIGNALS, received, strict=True) if n), 0)
 
 
 def checkpoints_root(output_dir: str) -> Path:
@@ -39,6 +51,7 @@ def install_preemption_handler() -> None:
         _signal_received.append(signum)
 
     _signal_received.clear()
+    _agreed_signal[0] = 0
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
 
@@ -144,11 +157,14 @@ def checkpoint_per_process(accelerator, model: nn.Module, optimizer: torch.optim
 
 
 def _preempted(accelerator) -> int:
-    """The signal any process received (0 if none), agreed by all processes so that all of them save and stop."""
-    local = _signal_received[0] if _signal_received else 0
+    """The signal any process received (0 if none), agreed by all processes so that all of them save and stop.
+
+    With several processes the agreement rides on the meter's logging collective (shared/meter.py), so a step
+    that does not log waits on no collective and no host read for it: a SIGTERM is acted on at the next logging
+    step. Keep --logging_steps x the step time under the scheduler's grace period."""
     if accelerator.num_processes == 1:
-        return local
-    return int(accelerator.reduce(torch.tensor(local, device=accelerator.device), "max").item())
+        return local_signal()
+    return _agreed_signal[0]
 
 
 def maybe_save_checkpoint(accelerator, args: argparse.Namespace, step: int, micro_batches: int) -> None:

@@ -1,25 +1,23 @@
 """Ends a run that diverged, with its training state saved and the cause and fix named.
 
 The meter measures each step; this decides whether training may go on. `check(step)`, called by the recipe right
-after `meter.record(step, ...)` (after optimizer.step(), before zero_grad), looks at the loss the meter recorded:
-- fp32 / bf16: the loss must be finite on every process (a max-reduce, so all processes stop together and none
-  waits on a collective the others left).
+after `meter.record(step, ...)` (after optimizer.step(), before zero_grad), looks at what the meter recorded:
+- fp32 / bf16: the meter counts non-finite losses on the device, and reads the count (summed over processes) only
+  at its logging steps, every --logging_steps steps and at the last. The run stops there, on every process
+  together. So no step that does not log waits on the host or on a collective: on a GPU the host keeps queueing
+  kernels. The price: the state saved is that of the logging step that found the non-finite loss, up to
+  --logging_steps - 1 steps after the first one (its weights may already be NaN); the message names the window.
 - fp16: an inf loss is an overflow that the scaler skips; what stops the run is the scale collapsing below
-  MIN_LOSS_SCALE, or most of the last MOST_SKIPPED_WINDOW steps being skipped: fp16's range is too narrow.
+  MIN_LOSS_SCALE, or most of the last MOST_SKIPPED_WINDOW steps being skipped: fp16's range is too narrow. It is
+  checked every step: Accelerate reads the scale on the host at every fp16 step already (to tell a skipped step).
 On a stop, accelerator.save_state writes the whole training state as it is after step N's update (model, optimizer,
 scheduler, scaler, RNG) to <output_dir>/diverged_step_N, N = optimizer steps taken, and SystemExit says why.
-
-Each check reads one flag on the host (and all-reduces it with several processes): a blocking sync every step. A
-deferred check (the previous step's flag, or one folded into the meter's logging reduce) would change this module
-alone; it would also change which step's state is saved, so the docstring above must say so then.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import torch
 
 if TYPE_CHECKING:
     from .meter import Meter
@@ -59,14 +57,13 @@ class DivergenceGuard:
         return None
 
     def _non_finite_loss(self, step: int) -> str | None:
-        acc = self.meter.accelerator
-        bad = torch.tensor(0.0 if torch.isfinite(self.meter.step_loss).all() else 1.0, device=acc.device)
-        if acc.num_processes > 1:
-            bad = acc.reduce(bad, "max")  # every process stops together, or the others would hang
-        if bad.item():
-            return (f"the loss is not finite at step {step}. Lower --learning_rate, keep --max_grad_norm on, and "
-                    "check the data for bad values")
-        return None
+        meter = self.meter
+        if meter.logged_step != step or not meter.nonfinite_steps:  # read only where the meter logged (no sync)
+            return None
+        first, last = meter.logged_window
+        return (f"the loss was not finite in {meter.nonfinite_steps} step(s) (counted over processes) between "
+                f"steps {first} and {last} (checked every --logging_steps steps). Lower --learning_rate, keep "
+                "--max_grad_norm on, and check the data for bad values")
 
     def _stop(self, step: int, reason: str) -> None:
         acc = self.meter.accelerator

@@ -16,6 +16,8 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from tqdm.auto import tqdm
 
+from .checkpoint import PREEMPTION_SIGNALS, agree_on_signal, local_signal
+
 # ---------------------------------------------------------------- bytes on live tensors
 
 
@@ -273,7 +275,13 @@ class Meter:
         self.last_loss: float | None = None
         self.state: dict[str, int] | None = None
         self.extras: dict[str, object] = {}
-        self.step_loss: torch.Tensor | None = None  # the last recorded step's loss (shared/guard.py checks it)
+        self.step_loss: torch.Tensor | None = None  # the last recorded step's loss
+        # Steps with a non-finite loss, counted on the device and read (all processes summed) only when the meter
+        # logs: no step that does not log waits on the host or on a collective for it (shared/guard.py).
+        self._nonfinite = torch.zeros((), device=accelerator.device)
+        self.nonfinite_steps = 0  # as of the last logging step, all processes
+        self.logged_step: int | None = None  # the optimizer step count at the last logging
+        self.logged_window: tuple[int, int] | None = None
         self.memory_trace: list[int] = []  # this process's memory at each logging step: growth means a leak
         self._read_dtype = observe_compute_dtype(model)
         self._warmup = True
@@ -285,16 +293,19 @@ class Meter:
         reset_peak_memory(self.accelerator.device)
         self.bar = bar
         self.extras["resumed_from_step"] = start
-        first = True
+        # The clock runs from the end of the first step to the end of the last: two device syncs in all, where one
+        # per step would stall the host's kernel launches at every step.
+        t0, done = None, 0
         for step in bar:
-            self._warmup = first
-            t0 = time.perf_counter()
+            self._warmup = t0 is None
             yield step
-            self._sync()
-            if not first:
-                self.elapsed += time.perf_counter() - t0
-                self.timed_steps += 1
-            first = False
+            done += 1
+            if t0 is None:
+                self._sync()
+                t0 = time.perf_counter()
+        self._sync()
+        if t0 is not None:
+            self.elapsed, self.timed_steps = time.perf_counter() - t0, done - 1
         bar.close()
 
     def _sync(self) -> None:
@@ -311,12 +322,22 @@ class Meter:
         if self.state is None:
             self.state = state_bytes(self.model, self.optimizer)
         self.step_loss = loss.detach().float()
+        self._nonfinite += (~torch.isfinite(self.step_loss)).any()
         self.window.append(self.step_loss)
         if len(self.window) >= self.args.logging_steps or step + 1 == self.bar.total:
             self._log(step + 1)
 
     def _log(self, step: int) -> None:
-        mean = self.accelerator.reduce(torch.stack(self.window).mean().to(self.accelerator.device), "mean").item()
+        # One collective, summed over processes: the window's mean loss, the non-finite count (shared/guard.py) and
+        # which processes received a preemption signal (shared/checkpoint.py): a step that does not log has none.
+        window = torch.stack(self.window).mean().to(self.accelerator.device)
+        signals = [float(local_signal() == s) for s in PREEMPTION_SIGNALS]
+        values = torch.stack([window, self._nonfinite.float(), *torch.tensor(signals, device=window.device)])
+        total, nonfinite, *received = self.accelerator.reduce(values, "sum").tolist()
+        agree_on_signal(received)
+        mean = total / self.accelerator.num_processes
+        self.nonfinite_steps, self.logged_step = int(nonfinite), step
+        self.logged_window = (step - len(self.window) + 1, step)  # the optimizer steps (1-based) this log covers
         if self.initial_loss is None:
             self.initial_loss = self.window[0].item()
         self.window.clear()
@@ -335,7 +356,8 @@ class Meter:
         gathered = gather_object([per_process])
         fields = {k: [g[k] for g in gathered] for k in per_process}
         totals = self.accelerator.reduce(
-            torch.tensor([self.samples, self.tokens], dtype=torch.float64, device=self.accelerator.device), "sum")
+            torch.tensor([self.samples, float(self.tokens)], dtype=torch.float64, device=self.accelerator.device),
+            "sum")
         seconds = self.elapsed or float("nan")
         return {
             "initial_loss": self.accelerator.reduce(

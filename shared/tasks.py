@@ -62,10 +62,11 @@ class Task:
                 inputs = packing.per_document_inputs(inputs, self.model.config._attn_implementation)
         return inputs
 
-    def tokens_in(self, batch: dict) -> int:
-        """Positions the model processed (non-padding tokens; patches + [CLS] for images), for throughput."""
+    def tokens_in(self, batch: dict) -> torch.Tensor | int:
+        """Positions the model processed (non-padding tokens; patches + [CLS] for images), for throughput. A tensor
+        where it is counted on the device: reading it on the host would block every step (shared/meter.py)."""
         if "attention_mask" in batch:
-            return int(batch["attention_mask"].sum())
+            return batch["attention_mask"].sum()
         if "input_ids" in batch:
             return batch["input_ids"].numel()
         cfg = self.model.config
