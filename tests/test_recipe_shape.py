@@ -25,6 +25,7 @@ DIFF_BUDGET = {
     "chunked_loss": 63,
     "mixed_precision": 41,
     "gradient_accumulation": 47,
+    "optimizer_in_backward": 49,
     "optim_8bit": 55,
     "fsdp": 55,
     "data_parallel": 63,
