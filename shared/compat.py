@@ -29,6 +29,7 @@ class Support:
     max_processes: int | None = None
     needs_offload: bool = False
     instead: str = ""  # where to go for the shardings it does not run
+    why_not: str = ""  # why it cannot run the others, where that is more than "it would crash"
     own_attention_mask: bool = False  # its pipeline stages run the blocks with a plain causal mask
 
 
@@ -59,6 +60,17 @@ RECIPES: dict[str, Support] = {
     "qlora": Support(shardings=SHARDINGS),
     "combined": Support(shardings=SHARDINGS),
     "chunked_loss": Support(shardings=SHARDINGS),  # the head module's own hooks gather it (tests/test_chunked_loss.py)
+    # One process only (sharding "none" is never launched with more), found by running DDP over gloo with the hooks:
+    # tests/test_optimizer_in_backward.py.
+    "optimizer_in_backward": Support(
+        shardings=("none",),
+        instead="one process (`accelerate launch recipes/optimizer_in_backward.py`, accelerate_configs/"
+                "single_process.yaml or bf16.yaml); over several processes, recipes/zero.py (ZeRO-2) or "
+                "recipes/fsdp.py shard the gradients instead",
+        why_not="its hooks step each parameter on this process's own gradient, before DDP's all-reduce has averaged "
+                "it (measured on gloo: the replicas differ after one step, and DDP's buckets still hold the whole "
+                "model's gradients, so nothing is saved); ZeRO and FSDP reduce gradients their own way, and the hooks "
+                "are not wired to them here"),
 }
 
 
@@ -78,8 +90,10 @@ class Run:
     quant_storage: str = "uint8"
     lora: bool = False
     dora: bool = False  # the LoRA adapters as DoRA (PEFT use_dora)
-    # adamw (torch) | bnb_adamw_8bit (bitsandbytes) | adamw_8bit, adamw_4bit, adamw_fp8 (torchao)
+    # adamw (torch) | bnb_adamw_8bit (bitsandbytes) | adamw_8bit, adamw_4bit, adamw_fp8 (torchao) | adamw_in_backward
+    # (each parameter stepped in its gradient hook)
     optimizer: str = "adamw"
+    max_grad_norm: float = 0.0  # global-norm clipping (0: none)
     spread_devices: bool = False  # one model over several devices (device_map="auto")
     merge_unsaved: bool = False  # merge an adapter that is not saved
     stages_per_replica: int = 0  # pipeline stages inside each data-parallel replica (0: no such mesh)
@@ -110,6 +124,10 @@ def _kind(sharding: str) -> str:
     return "zero" if sharding.startswith("zero") else sharding
 
 
+def _in_backward(run: Run) -> bool:
+    return run.optimizer == "adamw_in_backward"
+
+
 def _processes(n: int) -> str:
     return "1 was" if n == 1 else f"{n} were"
 
@@ -132,7 +150,7 @@ RULES: tuple[Rule, ...] = (
                    f"its own kind ({RECIPES[r.recipe].instead})"),
     Rule(lambda r: r.sharding not in RECIPES[r.recipe].shardings,
          lambda r: f"recipes/{r.recipe}.py does not implement {_launch_words(r)}, which the launch config asks for; "
-                   "it would crash or train something else",
+                   f"{RECIPES[r.recipe].why_not or 'it would crash or train something else'}",
          lambda r: f"use {RECIPES[r.recipe].instead}"),
     Rule(lambda r: r.num_processes < RECIPES[r.recipe].min_processes,
          lambda r: f"recipes/{r.recipe}.py needs at least {RECIPES[r.recipe].min_processes} processes, and "
@@ -145,10 +163,28 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda r: RECIPES[r.recipe].needs_offload and r.offload == "none",
          lambda r: f"recipes/{r.recipe}.py shows offload, and the launch config offloads nothing",
          lambda r: f"use {RECIPES[r.recipe].instead}, or recipes/zero.py for ZeRO without offload"),
-    Rule(lambda r: r.accumulation > 1 and not RECIPES[r.recipe].accumulates,
+    Rule(lambda r: r.accumulation > 1 and not RECIPES[r.recipe].accumulates and not _in_backward(r),
          lambda r: f"--gradient_accumulation_steps {r.accumulation}: recipes/{r.recipe}.py does not accumulate "
                    "gradients (Accelerate would still divide every loss by it)",
          lambda r: "use recipes/gradient_accumulation.py or recipes/zero.py, or drop the flag"),
+    # The optimizer step in backward (recipes/optimizer_in_backward.py): a parameter steps, and its gradient is freed,
+    # the moment that gradient is complete, so nothing can look at all the gradients first, or add to them later.
+    Rule(lambda r: _in_backward(r) and r.accumulation > 1,
+         lambda r: f"--gradient_accumulation_steps {r.accumulation} with the optimizer step in backward: each "
+                   "parameter steps, and its gradient is freed, as soon as that gradient is computed, so there is no "
+                   "gradient left to accumulate the next micro-batch into",
+         lambda r: "drop the flag and raise --per_device_train_batch_size for a larger batch, or use "
+                   "recipes/gradient_accumulation.py"),
+    Rule(lambda r: _in_backward(r) and r.max_grad_norm > 0,
+         lambda r: f"--max_grad_norm {r.max_grad_norm:g} with the optimizer step in backward: clipping by the global "
+                   "norm needs every gradient before any parameter steps, and here each parameter steps (and frees "
+                   "its gradient) as soon as its own gradient exists",
+         lambda r: "pass --max_grad_norm 0 (this recipe's default), or use recipes/baseline.py to clip"),
+    Rule(lambda r: _in_backward(r) and r.precision == "fp16",
+         lambda r: "fp16 with the optimizer step in backward: the loss scaler must unscale every gradient and check "
+                   "them all for inf/NaN before any parameter steps, and here each parameter steps inside backward "
+                   "with its still-scaled gradient",
+         lambda r: "use --mixed_precision bf16 (no loss scaling) or no"),
     Rule(lambda r: r.base_weights != "full" and not r.lora,
          lambda r: f"{r.flag('base_weights')}: quantized base weights are frozen and cannot train",
          lambda r: f"add {r.flag('lora')} (adapters train on top of them), or load full weights"),

@@ -1,0 +1,92 @@
+"""Optimizer step in backward: each parameter is updated by its own AdamW inside its post-accumulate-grad hook, and
+its gradient freed at once, so the gradients of the whole model never exist together (peak gradient bytes: about
+the largest parameter's, not the model's). The same update as one AdamW step after backward (fp32: within 1e-6).
+
+It cannot clip by the global gradient norm, accumulate gradients, scale an fp16 loss, or run data-parallel (the hook
+fires before the processes' gradients are averaged): each is refused with the reason. One process; bf16 works.
+    accelerate launch recipes/optimizer_in_backward.py                      # tiny BERT on built-in data
+    accelerate launch recipes/optimizer_in_backward.py --task causal-lm --mixed_precision bf16
+"""
+
+import sys
+from pathlib import Path
+
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+from shared.args import parse_args
+from shared.checkpoint import maybe_save_checkpoint, resume
+from shared.data import endless_batches
+from shared.guard import DivergenceGuard
+from shared.launch import entrypoint, resolve_launch, start_run
+from shared.meter import Meter
+from shared.optim import optimizer_and_scheduler, total_steps
+from shared.optim_in_backward import OptimizerInBackward
+from shared.preflight import stop_if_preflight
+from shared.results import finish
+from shared.tasks import load_task
+
+RECIPE = "optimizer_in_backward"
+
+
+def add_args(p):
+    """This recipe's own flags (none: it changes where the optimizer steps, not what it computes)."""
+
+
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
+def main(argv=None) -> dict:
+    args = parse_args(argv, add_args, description=__doc__, max_grad_norm=0.0)  # clipping is refused: off by default
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    launch = resolve_launch(args, RECIPE, optimizer="adamw_in_backward")
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    task = load_task(args, accelerator)
+    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    # The technique: one AdamW per parameter (the same groups, hyperparameters and schedule as the baseline's one),
+    # each stepped by its parameter's post-accumulate-grad hook, which then frees that gradient.
+    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps, optimizer_cls=OptimizerInBackward)
+    for param in optimizer.params:
+        param.register_post_accumulate_grad_hook(optimizer.step_param)
+
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
+    )
+    start_step, consumed = resume(accelerator, args)
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, args, task, model, optimizer)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
+
+    model.train()
+    for step in meter.steps(start_step, max_steps):
+        batch = next(batches)
+        # Normalize by the items (target tokens or samples) of the global batch: gradients are averaged over
+        # processes, and each process's own mean would weigh a token differently from one big batch.
+        num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
+        loss = task.loss(model, batch, num_items)
+        accelerator.backward(loss)  # steps every parameter and frees its gradient: no optimizer.step(), no zero_grad
+        scheduler.step()  # the next step's lr, in every per-parameter optimizer
+        meter.record(step, loss, batch)
+        guard.check(step)  # a non-finite loss: stop, state saved
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+
+    # Gradient bytes at their peak, counted in the hooks, beside the whole model's (what a step after backward holds).
+    extras = optimizer.optimizer.grad_bytes_report()
+    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=extras)
+
+
+if __name__ == "__main__":
+    main()
