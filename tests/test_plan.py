@@ -420,3 +420,26 @@ def test_printed_command_trains_one_step(name, precision, gpus, capsys, tmp_path
     r = json.loads((tmp_path / "out" / "results.json").read_text())
     assert (r["recipe"], r["num_processes"], r["max_train_steps"]) == (recipe, gpus, 1)
     assert r["train_loss"] is not None and r["mixed_precision"] == ("no" if precision == "fp32" else precision)
+
+
+def test_low_bit_and_in_backward_bytes_match_the_runs(tmp_path):
+    """The planner's rows for recipes/optim_low_bit.py and recipes/optimizer_in_backward.py against the runs: the
+    optimizer state counted on live tensors, and the peak of live gradient bytes, within 5%."""
+    from shared import plan
+    from tests.conftest import run_recipe
+    from tests.quant_models import make_model_dir
+
+    model = make_model_dir(tmp_path / "models", "causal-lm", layers=1)  # every large tensor quantizable
+    config, task, _ = plan.load_config(str(model), "tiny", "causal-lm", None, None)
+    spec = plan.model_spec(config, task, str(model), disable_dropout=True)
+    common = ("--task", "causal-lm", "--model_name_or_path", model, "--max_train_steps", 2, "--max_train_samples", 32,
+              "--max_eval_samples", 8, "--disable_dropout", "--no_save_model")
+    rows = {t.name: t for t in plan.TECHNIQUES}
+    for name, optim in (("optim_4bit", "adamw_4bit"), ("optim_fp8", "adamw_fp8")):
+        r = run_recipe("optim_low_bit", tmp_path / name, *common, "--optim", optim)
+        predicted = plan.predict(spec, rows[name], "fp32", 1, 16, 128, kernels="cpu").optimizer
+        assert predicted == pytest.approx(r["optimizer_state_bytes"][0], rel=0.05), name
+    r = run_recipe("optimizer_in_backward", tmp_path / "in_backward", *common)
+    predicted = plan.predict(spec, rows["optimizer_in_backward"], "fp32", 1, 16, 128, kernels="cpu")
+    assert predicted.grads == pytest.approx(r["peak_grad_bytes"], rel=0.05)
+    assert predicted.optimizer == pytest.approx(r["optimizer_state_bytes"][0], rel=0.05)
