@@ -5,6 +5,7 @@ and lower the loss, an adapter that reloads onto a freshly quantized base, a mer
 import pytest
 import torch
 
+from shared.quant import no_cpu_4bit_repacking
 from tests.conftest import launch, run_recipe
 from tests.quant_models import make_model_dir
 
@@ -72,6 +73,7 @@ def test_adapter_reloads_onto_fresh_4bit_base_and_merge(runs, tmp_path_factory):
     logits = []
     for _ in range(2):  # two fresh quantized bases, each with the saved adapter
         base = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb, device_map={"": "cpu"})
+        no_cpu_4bit_repacking(base)  # evaluated as the run evaluated: on the dequantizing path (shared/quant.py)
         model = PeftModel.from_pretrained(base, r["adapter_dir"]).eval()
         with torch.no_grad():
             logits.append(model(**batch).logits)
@@ -225,6 +227,7 @@ def test_dora_adds_one_magnitude_per_output_and_reloads(tmp_path):
     logits, model = [], None
     for _ in range(2):
         base = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=bnb, device_map={"": "cpu"})
+        no_cpu_4bit_repacking(base)  # evaluated as the run evaluated: on the dequantizing path (shared/quant.py)
         model = PeftModel.from_pretrained(base, dora["adapter_dir"]).eval()
         assert model.peft_config["default"].use_dora
         with torch.no_grad():
