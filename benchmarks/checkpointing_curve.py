@@ -179,25 +179,31 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     tasks = list(dict.fromkeys(r["task"] for r in report["rows"]))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.2), squeeze=False)
-    for ax, task in zip(axes[0], tasks, strict=True):
+    # x: blocks checkpointed, not the time ratio: on this shared machine the ratios are noise (docs/checkpointing.md)
+    fig, axes = plt.subplots(2, len(tasks), figsize=(5.2 * len(tasks), 7.4), squeeze=False)
+    for col, task in enumerate(tasks):
         rows = [r for r in report["rows"] if r["task"] == task]
         full = sorted((r for r in rows if r["policy"] != "selective"), key=lambda r: r["checkpointed_blocks"])
-        ax.plot([r["time_ratio"] for r in full], [r["kept_bytes"] / MiB for r in full], "o-", color="#4c72b0",
-                label="full, every K-th block (none at x1.0)")
-        for r in full:
-            if r["policy"] != "none":
-                ax.annotate(f"K={r['every']}", (r["time_ratio"], r["kept_bytes"] / MiB), fontsize=6,
-                            xytext=(3, 2), textcoords="offset points")
         sel = [r for r in rows if r["policy"] == "selective"]
-        ax.plot([r["time_ratio"] for r in sel], [r["kept_bytes"] / MiB for r in sel], "*", ms=12, color="#c44e52",
-                label="selective (op-level), every block")
+        ax = axes[0][col]
+        ax.plot([r["checkpointed_blocks"] for r in full], [r["kept_bytes"] / MiB for r in full], "o-",
+                color="#4c72b0", label="full, every K-th block (0: none)")
+        ax.plot([r["checkpointed_blocks"] for r in full], [predicted_kept(r) / MiB for r in full], "x", color="orange",
+                label="planner")
+        ax.plot([r["checkpointed_blocks"] for r in sel], [r["kept_bytes"] / MiB for r in sel], "*", ms=12,
+                color="#c44e52", label="selective (op-level), every block")
         ax.set_title(f"{rows[0]['model']}, batch {rows[0]['batch']}"
                      + (f" x {rows[0]['seq']} tokens" if rows[0]["seq"] else ""), fontsize=10)
-        ax.set_xlabel("step time / step time without checkpointing")
         ax.set_ylabel("bytes kept for backward (MiB)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+        ax = axes[1][col]
+        ax.plot([r["checkpointed_blocks"] for r in full], [r["time_ratio"] for r in full], "o", color="#4c72b0")
+        ax.plot([r["checkpointed_blocks"] for r in sel], [r["time_ratio"] for r in sel], "*", ms=12, color="#c44e52")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xlabel("blocks checkpointed")
+        ax.set_ylabel("step time / none (one alternated pair: load noise)")
+        ax.grid(alpha=0.3)
     m = report["machine"]
     fig.suptitle(f"Activation checkpointing: memory vs time, {m['cores']}-core CPU, {m['threads']} threads, "
                  f"torch {m['torch']}, fp32", fontsize=11)
