@@ -3,12 +3,18 @@ in backward. Activation memory then grows with one block instead of all of them,
 
 --checkpointing_impl hf     HF models: model.gradient_checkpointing_enable(), non-reentrant.
 --checkpointing_impl torch  torch.utils.checkpoint around each block: how to do it for any custom nn.Module.
-Before training, one step on the same batch with and without checkpointing measures what it saves and costs: the
-bytes autograd keeps for backward, the time ratio, and the largest gradient difference (0 up to float rounding);
-the probe is shared/meter.py's checkpointing_probe.
+Less recompute for less saving (torch impl only): --checkpoint_every K checkpoints blocks K, 2K, ... (1: all);
+--checkpointing_policy selective keeps a checkpointed block's matmul and attention outputs too, and recomputes only
+the cheap ops (LayerNorm, GELU, dropout, adds), with torch's create_selective_checkpoint_contexts. The
+memory / time curve over K: docs/checkpointing.md. Before training, one step on the same batch with and without
+checkpointing measures what it saves and costs: the bytes autograd keeps for backward, the bytes forward leaves
+alive for backward, the time ratio, and the largest gradient difference (0 up to float rounding); the probe is
+shared/meter.py's checkpointing_probe.
     accelerate launch recipes/activation_checkpointing.py --task causal-lm --max_seq_length 128
+    accelerate launch recipes/activation_checkpointing.py --checkpoint_every 2 --checkpointing_policy selective
 """
 
+import functools
 import sys
 from pathlib import Path
 
@@ -16,11 +22,11 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradientAccumulationPlugin
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
+from shared.args import COUNT, parse_args
 from shared.checkpoint import maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.guard import DivergenceGuard
@@ -36,32 +42,57 @@ RECIPE = "activation_checkpointing"
 
 
 def add_args(p):
-    p.add_argument("--checkpointing_impl", default="hf", choices=("hf", "torch"))
+    p.add_argument("--checkpointing_impl", default=None, choices=("hf", "torch"),
+                   help="Unset: hf; torch when --checkpoint_every > 1 or --checkpointing_policy selective.")
+    p.add_argument("--checkpoint_every", type=COUNT, default=1,
+                   help="Checkpoint every K-th block (K, 2K, ...); 1: all. Larger K: less recompute, more memory.")
+    p.add_argument("--checkpointing_policy", default="full", choices=("full", "selective"),
+                   help="full: a checkpointed block keeps its input only. selective: it keeps its matmul and "
+                        "attention outputs too and recomputes the cheap ops.")
     p.add_argument("--no_probe", action="store_true",
                    help="Skip the with/without comparison step (its buffers would raise this run's peak memory).")
+
+
+# Op-level selection: the outputs of these ops (most of the FLOPs) are kept from forward; everything else in a
+# checkpointed block (LayerNorm, GELU, dropout, residual adds, reshapes: cheap, memory-bound) is recomputed.
+aten = torch.ops.aten
+SAVED_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
+             aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_flash_attention.default,
+             aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default}
+
+
+def keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class CheckpointedBlock(nn.Module):
     """Runs `block` under torch.utils.checkpoint: in backward its activations are recomputed, not read back."""
 
-    def __init__(self, block: nn.Module):
+    def __init__(self, block: nn.Module, policy: str = "full"):
         super().__init__()
         self.block = block
+        # selective: the ops keep_matmuls names are saved in forward, the rest recomputed; full: all recomputed
+        self.context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, keep_matmuls)
+                        } if policy == "selective" else {}
 
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
             return self.block(*args, **kwargs)
         # Non-reentrant: supports keyword arguments and inputs that do not require grad, and nests safely.
-        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+        return checkpoint(self.block, *args, use_reentrant=False, **self.context, **kwargs)
 
 
-def enable_checkpointing(model: nn.Module, impl: str) -> None:
+def enable_checkpointing(model: nn.Module, impl: str, every: int = 1, policy: str = "full") -> None:
     if impl == "hf":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         layers = transformer_layers(model)
+        if every > len(layers):
+            raise SystemExit(f"--checkpoint_every {every} checkpoints no block: the model has {len(layers)}. "
+                             f"Pass --checkpoint_every {len(layers)} or less.")
         for i, block in enumerate(layers):
-            layers[i] = CheckpointedBlock(block)
+            if (i + 1) % every == 0:  # blocks every, 2*every, ...: torchtitan's ac_freq
+                layers[i] = CheckpointedBlock(block, policy)
 
 
 def disable_checkpointing(model: nn.Module, impl: str) -> None:
@@ -71,12 +102,17 @@ def disable_checkpointing(model: nn.Module, impl: str) -> None:
     else:
         layers = transformer_layers(model)
         for i, block in enumerate(layers):
-            layers[i] = block.block
+            layers[i] = block.block if isinstance(block, CheckpointedBlock) else block
 
 
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
+    per_op_or_layer = args.checkpoint_every > 1 or args.checkpointing_policy == "selective"
+    if args.checkpointing_impl == "hf" and per_op_or_layer:  # HF's switch checkpoints all blocks, whole
+        raise SystemExit("--checkpointing_impl hf checkpoints every block whole: --checkpoint_every > 1 and "
+                         "--checkpointing_policy selective need --checkpointing_impl torch (or leave it unset).")
+    args.checkpointing_impl = args.checkpointing_impl or ("torch" if per_op_or_layer else "hf")
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
     launch = resolve_launch(args, RECIPE)
     accelerator = Accelerator(
@@ -95,10 +131,10 @@ def main(argv=None) -> dict:
     task = load_task(args, accelerator)
 
     # What checkpointing saves and costs, measured on one batch without and with it (shared/meter.py).
-    impl = args.checkpointing_impl
-    probe = {} if args.no_probe else checkpointing_probe(
-        task, accelerator.device, lambda m: enable_checkpointing(m, impl), lambda m: disable_checkpointing(m, impl))
-    enable_checkpointing(task.model, impl)
+    impl, every, policy = args.checkpointing_impl, args.checkpoint_every, args.checkpointing_policy
+    probe = {} if args.no_probe else checkpointing_probe(task, accelerator.device, lambda m: enable_checkpointing(
+        m, impl, every, policy), lambda m: disable_checkpointing(m, impl))
+    enable_checkpointing(task.model, impl, every, policy)
     max_steps = total_steps(args, accelerator, task.train_dataloader)
     optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
 
@@ -129,7 +165,8 @@ def main(argv=None) -> dict:
         maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
 
     disable_checkpointing(accelerator.unwrap_model(model), impl)
-    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=probe)
+    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras={
+        **probe, "checkpointing_impl": impl, "checkpoint_every": every, "checkpointing_policy": policy})
 
 
 if __name__ == "__main__":

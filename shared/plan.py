@@ -279,13 +279,14 @@ def torchao_adam_state_bytes(numels: list[int], optim: str) -> float:
 @dataclass
 class Activations:
     saved: float  # bytes autograd keeps from forward to backward (what meter.saved_activation_bytes counts)
-    layer: float  # one block's share of it (recomputed in backward under checkpointing)
+    layer: float  # added back at peak in backward: the block being recomputed under checkpointing
     transient: float  # extra bytes alive at the loss (logits copies) on top of `saved`
     weight_copies: float  # 16-bit copies of the weights autocast keeps for backward (inside `saved`)
 
 
 def activation_bytes(spec: ModelSpec, batch: int, seq: int | None, precision: str = "fp32",
-                     checkpointing: bool = False, kernels: str = "cuda") -> Activations:
+                     checkpointing: bool = False, kernels: str = "cuda", checkpoint_every: int = 1,
+                     selective: bool = False) -> Activations:
     """Bytes saved for backward in one forward, counted tensor by tensor from the HF implementations.
 
     E = batch*seq tokens, h hidden, I intermediate, a heads. Per block (element counts, dtype per kind below):
@@ -304,7 +305,11 @@ def activation_bytes(spec: ModelSpec, batch: int, seq: int | None, precision: st
     bf16/fp16 autocast: the residual stream and LayerNorm stay fp32, Linear inputs and outputs are 16-bit (2 B),
     CPU's autocast runs attention in fp32, and a 16-bit copy of every Linear weight is kept for backward.
     Checkpointing (HF, non-reentrant): a block keeps only its input (E h residual); in backward one block at a
-    time is recomputed, so `layer` is added back at peak.
+    time is recomputed, so `layer` is added back at peak. `checkpoint_every` K: only blocks K, 2K, ... are
+    checkpointed (L // K of them), the others keep all of the above. `selective` (op-level, recipes/
+    activation_checkpointing.py's keep_matmuls): a checkpointed block keeps its input and its matmul and attention
+    outputs: QKV 3 E h, out-projection E h, MLP-in E I, MLP-out E h (Linear outputs' dtype), and the attention
+    output, E h + the log-sum-exp b a s fp32 (flash) or the scores b a s^2 + E h (math kernel).
     """
     s = spec.seq_tokens or seq
     if s is None:
@@ -358,14 +363,67 @@ def activation_bytes(spec: ModelSpec, batch: int, seq: int | None, precision: st
         # alive at the loss besides: the logits (16-bit under autocast), their fp32 copy, the shifted contiguous copy
         transient = logits * (lin_b + 4 + 4) if half else logits * 4 * 2
 
-    layer_total = per_layer
-    if checkpointing:
-        # The 16-bit weight copies are made again in recomputation, one block at a time: none kept from forward.
-        saved = outer + outer16 + n_layers * e * h * res_b
-        return Activations(saved=saved, layer=layer_total + block16 / n_layers, transient=transient,
-                           weight_copies=outer16)
-    return Activations(saved=outer + n_layers * per_layer + block16 + outer16, layer=layer_total,
-                       transient=transient, weight_copies=block16 + outer16)
+    if not checkpointing:
+        return Activations(saved=outer + n_layers * per_layer + block16 + outer16, layer=per_layer,
+                           transient=transient, weight_copies=block16 + outer16)
+    kept = e * h * res_b  # a checkpointed block's input
+    if selective:
+        kept += 5 * e * h * lin_b + e * i_ * lin_b
+        kept += (b * a * s * s + e * h) * attn_b if math_attention else e * h * lin_b + b * a * s * 4
+    # Blocks every, 2*every, ... are checkpointed. Backward runs from the last block to the first, freeing each
+    # block's activations; a checkpointed block's are rebuilt first, while the blocks before it still hold theirs.
+    # So the peak is the largest of: all that forward saved, and for each checkpointed block j the blocks before it
+    # plus block j rebuilt. Checkpointing only the last block (every = L) saves nothing at that peak.
+    held = [kept if (j + 1) % checkpoint_every == 0 else per_layer + block16 / n_layers for j in range(n_layers)]
+    base = outer + outer16
+    saved = base + sum(held)
+    peak = max([saved] + [base + sum(held[:j]) + per_layer + block16 / n_layers
+                          for j in range(n_layers) if (j + 1) % checkpoint_every == 0])
+    plain = sum(1 for j in range(n_layers) if (j + 1) % checkpoint_every)
+    return Activations(saved=saved, layer=peak - saved, transient=transient,
+                       weight_copies=outer16 + plain * block16 / n_layers)
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """One activation checkpointing setting of recipes/activation_checkpointing.py, as the planner sees it."""
+
+    every: int  # --checkpoint_every (0: no checkpointing)
+    selective: bool  # --checkpointing_policy selective
+    activations: float  # bytes at peak: saved for backward + the block being recomputed
+    recompute: float  # the share of the blocks' forward run again in backward (full checkpointing of all: 1)
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return ((("--checkpoint_every", str(self.every)) if self.every > 1 else ())
+                + (("--checkpointing_policy", "selective") if self.selective else ()))
+
+
+# Selective checkpointing recomputes LayerNorm, GELU, adds and reshapes: measured on the base presets (2-core CPU,
+# docs/checkpointing.md) its extra step time is about this share of full checkpointing's.
+SELECTIVE_RECOMPUTE = 0.3
+
+
+def recompute_options(spec: ModelSpec, batch: int, seq: int | None, precision: str = "fp32",
+                      kernels: str = "cuda") -> list[Recompute]:
+    """Every distinct setting, least recompute first: none, full on L // K blocks for K = L .. 1, selective."""
+    n_layers = spec.layers
+    none = activation_bytes(spec, batch, seq, precision, False, kernels)
+    options = [Recompute(0, False, none.saved, 0.0)]
+    for every in range(n_layers, 0, -1):
+        if every < n_layers and n_layers // every == n_layers // (every + 1):
+            continue  # the same number of blocks as a larger K: as much recompute, no less memory
+        act = activation_bytes(spec, batch, seq, precision, True, kernels, every)
+        options.append(Recompute(every, False, act.saved + act.layer, (n_layers // every) / n_layers))
+    act = activation_bytes(spec, batch, seq, precision, True, kernels, 1, selective=True)
+    options.append(Recompute(1, True, act.saved + act.layer, SELECTIVE_RECOMPUTE))
+    return sorted(options, key=lambda o: (o.recompute, o.activations))
+
+
+def least_recompute(spec: ModelSpec, batch: int, seq: int | None, budget: float, precision: str = "fp32",
+                    kernels: str = "cuda") -> Recompute | None:
+    """The setting that recomputes least among those whose activations fit in `budget` bytes; None: none fits."""
+    return next((o for o in recompute_options(spec, batch, seq, precision, kernels) if o.activations <= budget), None)
 
 
 # ---------------------------------------------------------------- techniques: one line each
@@ -425,6 +483,8 @@ class Prediction:
     nvme: float = 0.0  # per process
     trainable: int = 0
     notes: list[str] = field(default_factory=list)
+    recompute: float = 1.0  # under checkpointing: the share of the blocks' forward recomputed (Recompute)
+    args: tuple[str, ...] = ()  # the recipe flags the planner chose (the checkpointing setting)
 
     @property
     def model_states(self) -> float:
@@ -441,7 +501,8 @@ class Prediction:
     @property
     def speed(self) -> float:
         t = self.technique
-        return (t.speed * PRECISION_SPEED[self.precision] * (CHECKPOINTING_SPEED if t.checkpointing else 1.0))
+        recompute = 1 + (CHECKPOINTING_SPEED - 1) * self.recompute if t.checkpointing else 1.0
+        return t.speed * PRECISION_SPEED[self.precision] * recompute
 
 
 def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, batch: int, seq: int | None,
@@ -593,7 +654,7 @@ def compat_run(tech: Technique, precision: str, num_processes: int) -> compat.Ru
                           tech.optimizer, tech.optimizer))
 
 
-def command(tech: Technique, precision: str, args: argparse.Namespace) -> str:
+def command(tech: Technique, precision: str, args: argparse.Namespace, extra: tuple[str, ...] = ()) -> str:
     """The `accelerate launch` line that runs this technique as planned; placeholders in PLACEHOLDERS' names."""
     config = config_file(tech, args.num_gpus)
     processes, machines = config_launch(config)
@@ -614,7 +675,7 @@ def command(tech: Technique, precision: str, args: argparse.Namespace) -> str:
     parts.extend(tech.args)
     if tech.offload == "nvme":  # the YAML cannot carry the path (Accelerate drops it): the recipe takes it as a flag
         parts.append("--nvme_path NVME_DIR")
-    return " ".join(parts)
+    return " ".join([*parts, *extra])
 
 
 def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, list[str]]]:
@@ -627,6 +688,8 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
                 continue  # sharding over one device divides nothing
             pred = predict(spec, tech, precision, args.num_gpus, args.per_device_batch_size, args.seq_len,
                            kernels=args.kernels, lora_r=args.lora_r)
+            if tech.recipe == "activation_checkpointing":
+                _least_recompute_that_fits(spec, pred, usable, args)
             # The recipe's own start-up check: a command it would refuse is not a plan (e.g. fsdp.py in 1 process).
             why = [f"cannot run: {r}" for r in compat.refusals(compat_run(tech, precision, args.num_gpus))]
             if pred.device_peak > usable:
@@ -641,6 +704,21 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
                 why.append(f"needs {fmt(pred.nvme * args.gpus_per_node)} on NVMe, {fmt(args.nvme_memory)} available")
             rows.append((pred, why))
     return rows
+
+
+def _least_recompute_that_fits(spec: ModelSpec, pred: Prediction, usable: float, args: argparse.Namespace) -> None:
+    """Checkpoint fewer blocks, or selectively, when that fits too: less recompute for the memory there is."""
+    b, seq = args.per_device_batch_size, args.seq_len
+    full = activation_bytes(spec, b, seq, pred.precision, True, args.kernels)
+    rest = pred.device_peak - (full.saved + full.layer)  # what the checkpointing setting does not change
+    fits = [o for o in recompute_options(spec, b, seq, pred.precision, args.kernels)
+            if o.every and o.activations <= usable - rest]  # every=0 is the baseline's row, not this recipe's
+    if fits and fits[0].recompute < 1:
+        choice = fits[0]
+        pred.activations += choice.activations - (full.saved + full.layer)
+        pred.recompute, pred.args = choice.recompute, choice.flags
+        pred.notes.append(f"{' '.join(choice.flags)}: the least recompute that fits (about {choice.recompute:.0%} "
+                          "of full checkpointing's); docs/checkpointing.md")
 
 
 def _fastest_fit(spec: ModelSpec, args: argparse.Namespace, keep: Callable[[Technique], bool]) -> Prediction | None:
@@ -786,7 +864,7 @@ def main(argv: list[str] | None = None) -> list[tuple[Prediction, list[str]]]:
 def _print_command(pred: Prediction, args: argparse.Namespace) -> None:
     """The command under a planned row, what to fill in it, and what the checkout lacks to run it."""
     t = pred.technique
-    line = command(t, pred.precision, args)
+    line = command(t, pred.precision, args, pred.args)
     root = CONFIGS.parent
     missing = [f for f in (f"recipes/{t.recipe}.py", f"accelerate_configs/{config_file(t, args.num_gpus)}")
                if not (root / f).exists()]
@@ -802,6 +880,7 @@ if __name__ == "__main__":
     sys.exit(0 if main() is not None else 1)
 
 
-__all__ = ["ModelSpec", "Technique", "TECHNIQUES", "Prediction", "predict", "activation_bytes", "adam_state_bytes",
+__all__ = ["ModelSpec", "Technique", "TECHNIQUES", "Prediction", "predict", "activation_bytes", "Recompute",
+           "recompute_options", "least_recompute", "adam_state_bytes",
            "zero_model_state_bytes", "nf4_bytes", "int8_bytes", "load_config", "model_spec", "plan", "command",
            "nearest_fits", "main"]
