@@ -53,6 +53,10 @@ RECIPES: dict[str, Support] = {
                                  own_attention_mask=True),
     "data_model_parallel": Support(shardings=("ddp",), min_processes=4,
                                    instead="accelerate_configs/data_model_parallel.yaml", own_attention_mask=True),
+    # Tensor parallel over all processes (recipes/tensor_parallel.py): they train one model, each holding its shard.
+    "tensor_parallel": Support(shardings=("ddp",), min_processes=2,
+                               instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
+                                       "the tensor-parallel degree)"),
     "zero": Support(shardings=_ZERO, accumulates=True, instead="accelerate_configs/zero1.yaml, zero2.yaml, zero3.yaml"),
     "zero3_offload": Support(shardings=_ZERO, accumulates=True, needs_offload=True,
                              instead="accelerate_configs/zero3_offload.yaml, zero2_offload.yaml or zero3_nvme.yaml"),

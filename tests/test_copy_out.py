@@ -138,6 +138,7 @@ RUNS = [
     pytest.param("fsdp", "fsdp.yaml", 2, (), marks=pytest.mark.slow),  # FSDP refuses 1 process
     pytest.param("pipeline_parallel", "pipeline.yaml", 2, ("--per_device_train_batch_size", "8",
                                                            "--n_microbatches", "4"), marks=pytest.mark.slow),
+    pytest.param("tensor_parallel", "multi_cpu.yaml", 2, (), marks=pytest.mark.slow),
 ]
 
 

@@ -1,0 +1,146 @@
+"""Tensor parallel for GPT-2, BERT and ViT: each block's attention and MLP matrices split over the processes.
+
+Megatron's layout: in each pair of matrices the first is split by its output features (column-wise: every process
+computes its share of the heads, or of the MLP's hidden units) and the second by its input features (row-wise: each
+process's partial product is summed by one all-reduce). Everything else (embeddings, norms, the head) is replicated:
+every process holds it whole and computes it on the same batch, so its gradients agree without any collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .models import transformer_layers
+
+# model_type -> {module inside each block: "colwise" | "rowwise"}; the pairs are (qkv -> out) and (up -> down).
+PLANS: dict[str, dict[str, str]] = {
+    "gpt2": {"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"},
+    "bert": {"attention.self.query": "colwise", "attention.self.key": "colwise", "attention.self.value": "colwise",
+             "attention.output.dense": "rowwise", "intermediate.dense": "colwise", "output.dense": "rowwise"},
+    "vit": {"attention.q_proj": "colwise", "attention.k_proj": "colwise", "attention.v_proj": "colwise",
+            "attention.o_proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"},
+}
+
+
+def family_of(model: nn.Module, world: int) -> str:
+    """The model's PLANS entry; refuses a model without one, or whose heads do not split over `world` processes."""
+    kind = model.config.model_type
+    if kind not in PLANS:
+        raise SystemExit(f"Tensor parallel plans are written for {sorted(PLANS)} models; this one is {kind!r}. "
+                         "Add its block's column/row-wise modules to shared/tensor_parallel.py PLANS.")
+    cfg = model.config
+    mlp = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size
+    for name, size in (("attention heads", cfg.num_attention_heads), ("MLP width", mlp)):
+        if size % world:
+            raise SystemExit(f"The model's {name} ({size}) does not split over {world} processes: launch a divisor "
+                             "of it (--num_processes), or pick a model whose heads and MLP width it divides.")
+    return kind
+
+
+def _fused_qkv_order(hidden: int, world: int) -> torch.Tensor:
+    """Output rows of GPT-2's fused c_attn ([q | k | v]) reordered as [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]: an even
+    column-wise split then gives process r its own heads' q, k and v."""
+    return torch.cat([torch.arange(i * hidden, (i + 1) * hidden).chunk(world)[r]
+                      for r in range(world) for i in range(3)])
+
+
+def prepare_blocks(model: nn.Module, world: int) -> None:
+    """What the plans need before parallelize_module, in place: GPT-2's Conv1D as nn.Linear (torch's styles take
+    nn.Linear; Conv1D stores the weight transposed), its fused qkv rows grouped per process, and each attention
+    module told its share of the heads (GPT-2 splits c_attn's output by split_size; BERT and ViT infer the head
+    count from the shape)."""
+    if model.config.model_type != "gpt2":
+        return
+    from .quant import conv1d_to_linear
+
+    for block in transformer_layers(model):
+        conv1d_to_linear(block)
+        attn = block.attn
+        order = _fused_qkv_order(attn.embed_dim, world)
+        with torch.no_grad():
+            attn.c_attn.weight.copy_(attn.c_attn.weight[order])
+            attn.c_attn.bias.copy_(attn.c_attn.bias[order])
+        attn.num_heads //= world
+        attn.split_size //= world
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_state_dict(model: nn.Module, world: int) -> dict[str, torch.Tensor]:
+    """The whole model's state dict under its own names and layouts (a collective: every process calls it): each
+    sharded parameter gathered with full_tensor(), GPT-2's qkv order and Conv1D layout restored."""
+    state = {k: _full(v).detach().cpu() for k, v in model.state_dict().items()}
+    if model.config.model_type == "gpt2":
+        inverse = torch.argsort(_fused_qkv_order(model.config.hidden_size, world))
+        for name in [k for k in state if ".attn.c_attn." in k]:
+            state[name] = state[name][inverse]
+        for name in [k for k in state if k.endswith(".weight") and any(f".{m}." in k for m in PLANS["gpt2"])]:
+            state[name] = state[name].t().contiguous()  # nn.Linear [out, in] -> Conv1D [in, out]
+    return state
+
+
+def save_consolidated(accelerator, model: nn.Module, task, output_dir: str) -> None:
+    """One model.safetensors that from_pretrained loads in one process, written by the main process."""
+    state = full_state_dict(model, accelerator.num_processes)
+    if accelerator.is_main_process:
+        fresh = type(model)(model.config)  # the architecture as published (Conv1D for GPT-2), then the weights
+        fresh.load_state_dict(state, strict=True)
+        fresh.save_pretrained(output_dir, safe_serialization=True)
+        task.save_preprocessing(output_dir)
+    accelerator.wait_for_everyone()
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, group=None) -> float:
+    """The global gradient norm, clipped to max_norm (0: only measured). A sharded gradient's squares are summed over
+    the processes; a replicated one (the same on every process) counts once. Returns the norm before clipping."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    device = grads[0].device
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        square = (g.to_local() if isinstance(g, DTensor) else g).detach().double().pow(2).sum()
+        if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements):
+            sharded += square
+        else:  # a plain tensor, or a DTensor replicated on every process (a row-wise layer's bias)
+            replicated += square
+    dist.all_reduce(sharded, group=group)
+    norm = (sharded + replicated).sqrt()
+    if max_norm:
+        coef = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm.item()
+
+
+def check_flags(args) -> None:
+    """Refuse what this recipe does not implement yet, before anything loads, naming the way round it."""
+    if args.mixed_precision == "fp16":
+        raise SystemExit("fp16 with recipes/tensor_parallel.py: its loss scaler is not wired to the sharded "
+                         "gradients. Use --mixed_precision bf16 or no.")
+    if args.checkpointing_steps or args.resume_from_checkpoint:
+        raise SystemExit("--checkpointing_steps/--resume_from_checkpoint with recipes/tensor_parallel.py: its "
+                         "sharded optimizer state is not checkpointed yet. Drop the flag (the final model is still "
+                         "saved, consolidated), or use recipes/fsdp.py for resumable sharded training.")
+
+
+def local_param_counts(model: nn.Module) -> dict[str, int]:
+    """Parameters this process holds: its shards of the split weights, and the replicated rest (each counted once)."""
+    from torch.distributed.tensor import DTensor
+
+    counts, seen = {"sharded": 0, "replicated": 0}, set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        split = isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
+        counts["sharded" if split else "replicated"] += (p.to_local() if isinstance(p, DTensor) else p).numel()
+    return counts
