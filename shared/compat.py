@@ -31,6 +31,7 @@ class Support:
     instead: str = ""  # where to go for the shardings it does not run
     why_not: str = ""  # why it cannot run the others, where that is more than "it would crash"
     own_attention_mask: bool = False  # its pipeline stages run the blocks with a plain causal mask
+    precision: str = ""  # the one mixed precision it trains in ("": whichever the flag or launch config says)
 
 
 _SHARDED = "recipes/zero.py (ZeRO), recipes/fsdp.py (FSDP) or recipes/combined.py (this technique with sharding)"
@@ -75,6 +76,12 @@ RECIPES: dict[str, Support] = {
                 "it (measured on gloo: the replicas differ after one step, and DDP's buckets still hold the whole "
                 "model's gradients, so nothing is saved); ZeRO and FSDP reduce gradients their own way, and the hooks "
                 "are not wired to them here"),
+    # Accelerate's fp8 with torchao: one process and DDP over gloo measured (tests/test_fp8.py). FSDP2 (float8
+    # all-gather of DTensor shards) and DeepSpeed were not run on this stack: refused rather than assumed.
+    "fp8": Support(precision="fp8", instead="one process or DDP (accelerate_configs/single_process.yaml, "
+                   "multi_cpu.yaml, multi_gpu.yaml)",
+                   why_not="FP8 under FSDP2 or DeepSpeed has not been run here (torchao's float8 all-gather of "
+                           "FSDP2 shards is the route to try on a GPU)"),
 }
 
 
@@ -167,6 +174,11 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda r: RECIPES[r.recipe].needs_offload and r.offload == "none",
          lambda r: f"recipes/{r.recipe}.py shows offload, and the launch config offloads nothing",
          lambda r: f"use {RECIPES[r.recipe].instead}, or recipes/zero.py for ZeRO without offload"),
+    Rule(lambda r: RECIPES[r.recipe].precision not in ("", r.precision),
+         lambda r: f"mixed precision {r.precision!r} (from --mixed_precision or the launch config): "
+                   f"recipes/{r.recipe}.py trains in {RECIPES[r.recipe].precision} only",
+         lambda r: "drop --mixed_precision and use a launch config with mixed_precision 'no' (accelerate_configs/"
+                   "single_process.yaml, multi_cpu.yaml), or recipes/mixed_precision.py for fp16 / bf16"),
     Rule(lambda r: r.accumulation > 1 and not RECIPES[r.recipe].accumulates and not _in_backward(r),
          lambda r: f"--gradient_accumulation_steps {r.accumulation}: recipes/{r.recipe}.py does not accumulate "
                    "gradients (Accelerate would still divide every loss by it)",

@@ -1,0 +1,98 @@
+"""FP8 training: the inner Linears run their matmuls in float8 (torchao's Float8Linear), through Accelerate.
+
+Accelerate's mixed_precision="fp8" with the torchao backend (AORecipeKwargs) swaps every nn.Linear for a Float8Linear
+in prepare(), except the first and last Linear and any whose dims are not multiples of 16 (shared/fp8.py names the
+rule; results.json lists what was converted and what was kept). Each converted matmul casts its inputs to e4m3
+(gradients e5m2) with one dynamic scale per tensor and calls torch._scaled_mm; everything else runs in bf16 autocast.
+It pays only on a GPU with FP8 tensor cores (H100, Ada) and large matmuls: at small sizes the casts cost more than
+the faster matmul saves (docs/fp8.md). On a CPU it runs, for checking, at no gain.
+    accelerate launch recipes/fp8.py                                       # tiny BERT on built-in data
+    accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/fp8.py
+    accelerate launch recipes/fp8.py --task image-classification         # tiny ViT
+"""
+
+import sys
+from pathlib import Path
+
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import AORecipeKwargs, GradientAccumulationPlugin
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
+
+from shared.args import parse_args
+from shared.checkpoint import maybe_save_checkpoint, resume
+from shared.data import endless_batches
+from shared.fp8 import check_fp8_resolved, fp8_summary
+from shared.guard import DivergenceGuard
+from shared.launch import entrypoint, resolve_launch, start_run
+from shared.meter import Meter
+from shared.optim import optimizer_and_scheduler, total_steps
+from shared.preflight import stop_if_preflight
+from shared.results import finish
+from shared.tasks import load_task
+
+RECIPE = "fp8"
+
+
+def add_args(p):
+    """This recipe's own flags (none: Accelerate's default Float8LinearConfig, tensorwise scaling)."""
+
+
+@entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
+def main(argv=None) -> dict:
+    args = parse_args(argv, add_args, description=__doc__)
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    # The precision is this recipe's own: fp8 (args.py's --mixed_precision offers no fp8; other values refused).
+    launch = resolve_launch(args, RECIPE, default_mixed_precision="fp8")
+    accelerator = Accelerator(
+        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
+        mixed_precision=args.mixed_precision,
+        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
+        log_with=launch.log_with,
+        project_dir=args.output_dir,
+        # torchao's float8 (imported by AORecipeKwargs, after resolve_launch has silenced its load noise):
+        # the default filter keeps the first/last Linear and dims not multiple of 16 in high precision.
+        kwargs_handlers=[*launch.kwargs_handlers, AORecipeKwargs()],  # + a timeout for collectives
+    )
+    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    check_fp8_resolved(accelerator)  # Accelerate turns fp8 into fp16 on an older GPU: stop instead
+    task = load_task(args, accelerator)
+    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
+
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+        task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
+    )  # prepare() converts the Linears to Float8Linear in place (same Parameters: the optimizer still holds them)
+    fp8 = fp8_summary(accelerator, model)  # what was converted and kept; stops if nothing was
+    start_step, consumed = resume(accelerator, args)
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
+    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, args, task, model, optimizer)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
+
+    model.train()
+    for step in meter.steps(start_step, max_steps):
+        batch = next(batches)
+        # Normalize by the items (target tokens or samples) of the global batch: gradients are averaged over
+        # processes, and each process's own mean would weigh a token differently from one big batch.
+        num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
+        loss = task.loss(model, batch, num_items)
+        accelerator.backward(loss)
+        if args.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
+        guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
+        optimizer.zero_grad(set_to_none=True)
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+
+    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=fp8)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""FP8 training through Accelerate (torchao's float8): which Linears became Float8Linear, which stayed in high
+precision and why, and the checks that the run really is fp8 rather than a silent bf16 / fp32 fallback.
+
+The conversion rule is Accelerate's own default (accelerate.utils.ao.filter_linear_layers, applied in
+Accelerator.prepare by convert_model_to_fp8_ao): every nn.Linear becomes a Float8Linear, except
+  - the first and the last nn.Linear in module order (find_first_last_linear_layers): the layers next to the
+    embeddings and the head, where FP8's error hurts convergence most;
+  - any Linear whose in_features or out_features is not a multiple of 16 (torch._scaled_mm's alignment), e.g. a
+    classifier with 2 labels.
+Embeddings, LayerNorms, convolutions and GPT-2's Conv1D are not nn.Linear and are never converted. Everything that
+stays in high precision runs under the bf16 autocast that Accelerate's mixed_precision="fp8" also turns on.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils.ao import find_first_last_linear_layers
+
+FIRST_LAST = "first or last Linear"
+NOT_16 = "in/out features not multiples of 16"
+
+
+def layer_precisions(model: torch.nn.Module) -> tuple[list[str], dict[str, str]]:
+    """(names of the Float8Linear modules, {name of each nn.Linear kept in high precision: why})."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    first, last = find_first_last_linear_layers(model)  # Float8Linear is an nn.Linear: same answer after prepare
+    converted, kept = [], {}
+    for name, module in model.named_modules():
+        if isinstance(module, Float8Linear):
+            converted.append(name)
+        elif isinstance(module, torch.nn.Linear):
+            kept[name] = NOT_16 if module.in_features % 16 or module.out_features % 16 else (
+                FIRST_LAST if name in (first, last) else "not converted (another filter)")
+    return converted, kept
+
+
+def check_fp8_resolved(accelerator: Accelerator) -> None:
+    """Right after Accelerator(...): Accelerate turns fp8 into fp16 on a GPU older than Ada/Hopper (a warning, no
+    error). On this CPU-only stack (Accelerate 1.15, torchao 0.18, torch 2.13) it keeps fp8 with the AO backend, and
+    torch._scaled_mm runs on the CPU; either way a run that is not fp8 stops here instead of training something else."""
+    from accelerate.utils.dataclasses import FP8BackendType
+
+    if accelerator.mixed_precision != "fp8" or accelerator.fp8_backend != FP8BackendType.AO:
+        raise SystemExit(f"recipes/fp8.py asked for fp8 with torchao, and Accelerate resolved mixed_precision="
+                         f"{accelerator.mixed_precision!r}, backend {accelerator.fp8_backend}: this device has no "
+                         "FP8 support (a GPU needs compute capability 8.9+: Ada or Hopper). Use "
+                         "recipes/mixed_precision.py --mixed_precision bf16 instead.")
+
+
+def fp8_summary(accelerator: Accelerator, model: torch.nn.Module) -> dict:
+    """After prepare: the results.json fields. Stops when nothing was converted (e.g. GPT-2, whose blocks are Conv1D,
+    not nn.Linear): that run would be plain bf16 under an fp8 label."""
+    converted, kept = layer_precisions(accelerator.unwrap_model(model))
+    if not converted:
+        raise SystemExit("recipes/fp8.py: no nn.Linear was converted to Float8Linear (the model's "
+                         f"Linears kept: {kept or 'none'}; GPT-2's blocks are Conv1D, not nn.Linear), so this would "
+                         "train in plain bf16. Use a model built from nn.Linear (BERT, ViT, Llama), or "
+                         "recipes/mixed_precision.py --mixed_precision bf16.")
+    return {"fp8_linears": len(converted), "fp8_linear_names": converted, "kept_high_precision": kept}
