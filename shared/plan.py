@@ -399,8 +399,9 @@ class Recompute:
                 + (("--checkpointing_policy", "selective") if self.selective else ()))
 
 
-# Selective checkpointing recomputes LayerNorm, GELU, adds and reshapes: measured on the base presets (2-core CPU,
-# docs/checkpointing.md) its extra step time is about this share of full checkpointing's.
+# Selective checkpointing recomputes LayerNorm, GELU, adds and reshapes, not the matmuls: a prior for its extra step
+# time as a share of full checkpointing's, from one noisy BERT-base reading (x1.10 vs x1.36 on a shared 2-core CPU);
+# not yet measured on a quiet machine or a GPU (docs/checkpointing.md).
 SELECTIVE_RECOMPUTE = 0.3
 
 
