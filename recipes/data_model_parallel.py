@@ -114,7 +114,7 @@ def main(argv=None) -> dict:
     tied = tied_weight(stage)
     tie_groups = [dist.new_group([int(mesh.mesh[d, 0]), int(mesh.mesh[d, -1])]) for d in range(replicas)]
 
-    max_steps = total_steps(args, accelerator, train_dl)
+    max_steps = total_steps(args, accelerator, train_dl, already_split=True)  # this process's own batches
     optimizer, scheduler = optimizer_and_scheduler(args, stage, max_steps)
     checkpoint_per_process(accelerator, stage, optimizer, scheduler)  # each process saves its own stage
     start_step, consumed = resume(accelerator, args)

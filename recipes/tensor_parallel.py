@@ -84,7 +84,7 @@ def main(argv=None) -> dict:
     train_dl, eval_dl = (prepare_data_loader(dl, device, num_processes=1, process_index=0, use_seedable_sampler=True)
                          for dl in (task.train_dataloader, task.eval_dataloader))
 
-    max_steps = total_steps(args, accelerator, train_dl)
+    max_steps = total_steps(args, accelerator, train_dl, already_split=True)  # this process's own batches
     optimizer, scheduler = optimizer_and_scheduler(args, model, max_steps)
     batches = endless_batches(accelerator, train_dl)
     stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop

@@ -28,10 +28,14 @@ def optimizer_and_scheduler(args: argparse.Namespace, model: torch.nn.Module, ma
     return optimizer, scheduler
 
 
-def total_steps(args: argparse.Namespace, accelerator, train_dataloader) -> int:
-    """--max_train_steps, or the optimizer steps in --num_train_epochs; stored back in args.max_train_steps."""
+def total_steps(args: argparse.Namespace, accelerator, train_dataloader, already_split: bool = False) -> int:
+    """--max_train_steps, or the optimizer steps in --num_train_epochs; stored back in args.max_train_steps.
+
+    train_dataloader: the whole training set's loader, which Accelerate will split over the processes; or, with
+    already_split, what this process itself reads (the pipeline and tensor-parallel recipes' own loaders, where
+    dividing again by the process count trained half an epoch, or a quarter, when epochs were asked)."""
     if not args.max_train_steps:
-        per_process = math.ceil(len(train_dataloader) / accelerator.num_processes)
+        per_process = math.ceil(len(train_dataloader) / (1 if already_split else accelerator.num_processes))
         args.max_train_steps = max(1, math.ceil(args.num_train_epochs * per_process / args.gradient_accumulation_steps))
     if args.num_warmup_steps >= args.max_train_steps:
         raise SystemExit(f"--num_warmup_steps {args.num_warmup_steps} >= the run's {args.max_train_steps} steps: the "

@@ -226,3 +226,12 @@ def test_pipeline_killed_resumes_to_the_same_parameters(tmp_path):
     last = tmp_path / "cut" / "checkpoints" / "step_00000024"
     first_copy = load_file(last / "rank_00000" / "model.safetensors")["model.transformer.wte.weight"]
     assert torch.equal(first_copy, load_file(last / "rank_00001" / "model.safetensors")["model.lm_head.weight"])
+
+
+def test_an_epoch_is_the_batches_this_process_reads(tmp_path):
+    """The pipeline's processes all read the same batches: --num_train_epochs 1 is every batch once (it was half)."""
+    r = launch("pipeline_parallel", tmp_path, "--task", "causal-lm", "--num_train_epochs", 1, "--max_train_samples",
+               64, "--max_eval_samples", 8, "--per_device_train_batch_size", 8, "--n_microbatches", 2,
+               "--no_save_model", config="pipeline.yaml")
+    blocks = r["train_examples"]  # packed blocks, --max_train_samples of them
+    assert r["num_processes"] == 2 and r["max_train_steps"] == -(-blocks // 8) == 8
