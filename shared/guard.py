@@ -58,7 +58,8 @@ class DivergenceGuard:
 
     def _non_finite_loss(self, step: int) -> str | None:
         meter = self.meter
-        if meter.logged_step != step or not meter.nonfinite_steps:  # read only where the meter logged (no sync)
+        # Read only where the meter has just logged: no sync on any other step.
+        if meter.logged_window is None or meter.logged_window[1] != step or not meter.nonfinite_steps:
             return None
         first, last = meter.logged_window
         return (f"the loss was not finite in {meter.nonfinite_steps} step(s) (counted over processes) between "

@@ -322,8 +322,7 @@ class Meter:
         # logs: no step that does not log waits on the host or on a collective for it (shared/guard.py).
         self._nonfinite = torch.zeros((), device=accelerator.device)
         self.nonfinite_steps = 0  # as of the last logging step, all processes
-        self.logged_step: int | None = None  # the optimizer step count at the last logging
-        self.logged_window: tuple[int, int] | None = None
+        self.logged_window: tuple[int, int] | None = None  # the optimizer steps (1-based) the last logging covered
         self.memory_trace: list[int] = []  # this process's memory at each logging step: growth means a leak
         self._read_dtype = observe_compute_dtype(model)
         self._warmup = True
@@ -378,8 +377,8 @@ class Meter:
         total, nonfinite, *received = self.accelerator.reduce(values, "sum").tolist()
         agree_on_signal(received)
         mean = total / self.accelerator.num_processes
-        self.nonfinite_steps, self.logged_step = int(nonfinite), step
-        self.logged_window = (step - len(self.window) + 1, step)  # the optimizer steps (1-based) this log covers
+        self.nonfinite_steps = int(nonfinite)
+        self.logged_window = (step - len(self.window) + 1, step)
         if self.initial_loss is None:
             self.initial_loss = self.window[0].item()
         self.window.clear()

@@ -108,8 +108,11 @@ def load_task(args: argparse.Namespace, accelerator) -> Task:
     """Data, tokenizer and model for args.task. Bad input fails here, before any training step."""
     data.check_paths(args)
     models.check_model_path(args.model_name_or_path)
-    if args.model_name_or_path:
-        models.load_pretrained_config(args)  # a model that cannot serve the task fails before the data is read
+    # The model must serve the task, and its position embeddings the sequence length: checked before the data is
+    # read and tokenized (the preset's positions are those of the model built later).
+    config = (models.load_pretrained_config(args) if args.model_name_or_path
+              else models.preset_config(args.task, args.model_preset))
+    models.check_positions(config, args.max_seq_length)
     if args.text_pair_column and args.task != "text-classification":
         raise SystemExit(f"--text_pair_column serves --task text-classification (sentence pairs), not {args.task}. "
                          "Drop it, or pass --task text-classification.")
@@ -227,7 +230,6 @@ def _text_classification(args, accelerator, train_raw, val_raw, source) -> Task:
                                       num_labels=len(labels), pad_token_id=tokenizer.pad_token_id)
         if mapping:
             config.id2label = dict(enumerate(labels))
-    models.check_positions(config, args.max_seq_length)
     model = models.build_model(args, config)
     train_dl, eval_dl = _dataloaders(args, accelerator, train_ds, val_ds, DataCollatorWithPadding(tokenizer))
     lengths = [len(x) for x in train_ds["input_ids"]]
@@ -274,7 +276,6 @@ def _causal_lm(args, accelerator, train_raw, val_raw, source) -> Task:
         config = models.preset_config(args.task, args.model_preset, vocab_size=_vocab(tokenizer, args),
                                       pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                                       eos_token_id=tokenizer.eos_token_id)
-    models.check_positions(config, args.max_seq_length)
     with accelerator.main_process_first():
         train_ds, text_tokens = packing.samples(train_ds, tokenizer, text_col, args.packing, args.max_seq_length,
                                                 train=True)
