@@ -207,6 +207,14 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda r: r.dora and not r.lora,
          lambda r: f"{r.flag('dora')} makes the LoRA adapters DoRA adapters, and {r.flag('lora')} trains none",
          lambda r: f"add {r.flag('lora')}, or drop {r.flag('dora')}"),
+    # Tried (benchmarks/compat.py, 2026-12-01): every ZeRO-3 cell of DoRA on a 4-bit base crashed in the first
+    # backward, with or without checkpointing and offload; LoRA on the same base trains there.
+    Rule(lambda r: r.dora and r.base_weights != "full" and r.sharding == "zero3",
+         lambda r: f"{r.flag('dora')} on a {r.base_weights} base under zero3: DeepSpeed's backward hooks meet a "
+                   "bitsandbytes weight they never partitioned (AttributeError: 'Params4bit' object has no attribute "
+                   "'ds_status')",
+         lambda r: f"use FSDP (accelerate_configs/fsdp.yaml) or ZeRO-1/2 for DoRA, or drop {r.flag('dora')} "
+                   "(LoRA on this base trains under ZeRO-3)"),
     Rule(lambda r: r.base_weights == "int8" and r.sharded_params,
          lambda r: f"{r.flag('base_weights')} under {r.sharding}: int8 bitsandbytes weights cannot be sharded",
          lambda r: f"use 4-bit weights with {r.flag('quant_storage')} bfloat16, or ZeRO-1/2 / DDP"),
