@@ -108,6 +108,7 @@ class Run:
     spread_devices: bool = False  # one model over several devices (device_map="auto")
     merge_unsaved: bool = False  # merge an adapter that is not saved
     stages_per_replica: int = 0  # pipeline stages inside each data-parallel replica (0: no such mesh)
+    tensor_parallel_size: int = 0  # processes per tensor-parallel group, data parallel across them (0: all of them)
     packing: str = "none"  # causal LM: concat | per_document | none (shared/packing.py)
     flags: Mapping[str, str] = field(default_factory=dict)
 
@@ -227,6 +228,13 @@ RULES: tuple[Rule, ...] = (
                    f"{r.stages_per_replica} stages ({r.flag('stages_per_replica')} must be at least 2)",
          lambda r: f"launch a multiple of {r.stages_per_replica} processes (e.g. --num_processes "
                    f"{2 * max(r.stages_per_replica, 2)}), or use recipes/pipeline_parallel.py for one replica"),
+    Rule(lambda r: r.tensor_parallel_size > 0 and (r.tensor_parallel_size < 2
+                                                    or r.num_processes % r.tensor_parallel_size),
+         lambda r: f"{r.flag('tensor_parallel_size')} {r.tensor_parallel_size} with {r.num_processes} processes: a "
+                   "tensor-parallel group needs 2 or more processes, and the groups must divide the processes",
+         lambda r: f"pass a divisor of {r.num_processes} that is at least 2 (e.g. {r.flag('tensor_parallel_size')} "
+                   "2 with accelerate_configs/tp2_dp2.yaml), leave it unset for one group of all processes, or use "
+                   "recipes/fsdp.py for data parallel alone"),
     Rule(lambda r: r.packing == "per_document" and RECIPES[r.recipe].own_attention_mask,
          lambda r: f"--packing per_document: recipes/{r.recipe}.py runs the model through its own pipeline stages, "
                    "whose plain causal mask would let packed documents attend to each other",

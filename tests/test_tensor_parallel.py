@@ -88,7 +88,6 @@ def test_refuses_one_process(tmp_path):
 
 @pytest.mark.parametrize("flags, match", [
     (("--mixed_precision", "fp16"), "fp16 with recipes/tensor_parallel.py.*bf16 or no"),
-    (("--checkpointing_steps", "2"), "not checkpointed yet.*recipes/fsdp.py"),
 ])
 def test_refuses_what_it_does_not_do_yet(tmp_path, flags, match):
     from argparse import Namespace
