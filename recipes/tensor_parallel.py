@@ -43,8 +43,11 @@ from shared.tensor_parallel import (
     family_of,
     local_param_counts,
     mesh_shape,
+    plain,
     prepare_blocks,
     save_consolidated,
+    shard_vocab,
+    vocab_loss,
 )
 
 RECIPE = "tensor_parallel"
@@ -53,6 +56,8 @@ RECIPE = "tensor_parallel"
 def add_args(p):
     p.add_argument("--tp_size", type=COUNT, default=None,
                    help="Processes per tensor-parallel group; FSDP2 across the groups. Unset: all processes.")
+    p.add_argument("--shard_vocab", action="store_true",
+                   help="Causal LM: the embedding and head split over the vocabulary too, the loss on sharded logits.")
 
 
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
@@ -90,6 +95,8 @@ def main(argv=None) -> dict:
             for name, style in PLANS[family].items()}
     for block in transformer_layers(model):
         parallelize_module(block, mesh["tp"], plan)  # the weights become DTensors: this process keeps its shard
+    if args.shard_vocab:
+        shard_vocab(model, mesh["tp"])  # GPT-2's tied embedding and head: Shard(0) of one [vocab, hidden] matrix
     if dp > 1:  # then FSDP2 across the groups: each block, then the root (embeddings, head); gradients averaged
         for block in transformer_layers(model):
             fully_shard(block, mesh=mesh["dp"])
@@ -117,9 +124,10 @@ def main(argv=None) -> dict:
         # Normalize by the global batch's items: FSDP2 averages the groups' gradients (dp = 1: this batch's).
         num_items = task.count_items(batch).to(device)
         dist.all_reduce(num_items, group=dp_group)
-        with accelerator.autocast():
+        with accelerator.autocast(), vocab_loss(args.shard_vocab):  # --shard_vocab: the loss on sharded logits
             loss = task.loss(model, batch, num_items / dp)
-        loss.backward()
+            loss.backward()
+        loss = plain(loss)
         norm = clip_grad_norm(model, args.max_grad_norm)  # sharded gradients' squares summed over the processes
         meter.extras.setdefault("first_step_grad_norm", norm)
         optimizer.step()

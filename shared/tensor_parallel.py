@@ -71,6 +71,52 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def shard_vocab(model: nn.Module, mesh) -> None:
+    """A causal LM's vocabulary split over `mesh` (the "tp" sub-mesh), as torchtitan does: the embedding row-wise
+    (each process looks up the tokens of its vocabulary rows, the partial embeddings summed by one all-reduce), the
+    head column-wise with its logits left sharded over the vocabulary, for a loss under loss_parallel() that never
+    gathers them (vocab_loss). GPT-2 ties the head to the embedding: both are Shard(0) of the same [vocab, hidden]
+    matrix, so the head is re-tied to the embedding's DTensor. In eval mode the logits are gathered (full_tensor),
+    so the task's metrics see whole logits."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    parallelize_module(model, mesh, {
+        _module_name(model, model.get_input_embeddings()): RowwiseParallel(input_layouts=Replicate()),
+        _module_name(model, model.get_output_embeddings()): ColwiseParallel(output_layouts=Shard(-1),
+                                                                            use_local_output=False)})
+    if tied:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+
+    def gather_in_eval(module: nn.Module, _args, out):
+        if not module.training:
+            out.logits = out.logits.full_tensor()
+        return out
+
+    model.register_forward_hook(gather_in_eval)
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def vocab_loss(sharded: bool):
+    """loss_parallel() when the logits are sharded over the vocabulary (cross-entropy on each process's columns:
+    a max, a sum of exponentials and the target's logit, each all-reduced over "tp"); else nothing. The backward
+    must run inside it too."""
+    from contextlib import nullcontext
+
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if sharded else nullcontext()
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (the loss under loss_parallel) as a plain tensor, for the meter; a plain tensor as it is."""
+    return _full(t)
+
+
 def full_state_dict(model: nn.Module, world: int) -> dict[str, torch.Tensor]:
     """The whole model's state dict under its own names and layouts (a collective: every process calls it): each
     sharded parameter gathered with full_tensor(), GPT-2's qkv order and Conv1D layout restored."""
@@ -119,6 +165,10 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
 
 def check_flags(args) -> None:
     """Refuse what this recipe does not implement yet, before anything loads, naming the way round it."""
+    if args.shard_vocab and args.task != "causal-lm":
+        raise SystemExit(f"--shard_vocab with --task {args.task}: only the causal LM has a vocabulary-sized head; "
+                         "BERT's and ViT's heads are classifiers of num_labels outputs, too small to split. Drop the "
+                         "flag, or use --task causal-lm.")
     if args.mixed_precision == "fp16":
         raise SystemExit("fp16 with recipes/tensor_parallel.py: its loss scaler is not wired to the sharded "
                          "gradients. Use --mixed_precision bf16 or no.")

@@ -1,4 +1,5 @@
-"""kill -9 of a sharded run (ZeRO-3, ZeRO-2 + CPU offload, FSDP, tensor parallel) after a checkpoint, then `latest`: no work lost.
+"""kill -9 of a sharded run (ZeRO-3, ZeRO-2 + CPU offload, FSDP, tensor parallel) after a checkpoint, then
+`latest`: no work lost.
 
 A file of its own so that pytest's second worker can take it beside tests/test_reliability.py.
 """

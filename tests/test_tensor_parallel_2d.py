@@ -1,16 +1,17 @@
-"""Tensor x data parallel (recipes/tensor_parallel.py --tp_size 2, 4 processes): a (dp, tp) = (2, 2) mesh, TP inside
-each group of 2 and FSDP2 across the groups, trains the same parameters as 1 process on the global batch; its
-torch.distributed.checkpoint shards resume to the uninterrupted run's parameters exactly."""
+"""Tensor x data parallel (recipes/tensor_parallel.py --tp_size 2 --shard_vocab, 4 processes): a (dp, tp) = (2, 2)
+mesh, TP inside each group of 2 (the tied embedding and head split over the vocabulary, the loss on sharded logits)
+and FSDP2 across the groups, trains the same parameters as 1 process on the global batch; the planner predicts each
+process's bytes; its torch.distributed.checkpoint shards resume to the uninterrupted run's parameters exactly."""
 
 import shutil
 
 import pytest
 
-from shared import compat
+from shared import compat, plan
 from tests.conftest import launch, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON
 
-MESH = ("--tp_size", "2", "--per_device_train_batch_size", "8")  # 2 groups x 8: the global batch is 16
+MESH = ("--tp_size", "2", "--shard_vocab", "--per_device_train_batch_size", "8")  # 2 groups x 8: the global batch is 16
 
 
 @pytest.mark.slow
@@ -26,9 +27,17 @@ def test_tp_x_dp_trains_like_one_process_and_resumes_exactly(tmp_path):
     assert r["initial_loss"] == pytest.approx(ref["initial_loss"], rel=1e-6)
     diff = max_param_diff(load_params(tmp_path / "ref"), load_params(tmp_path / "mesh"))
     print(f"max |param(2 x 2 TP x FSDP2) - param(1 process)| after 6 steps = {diff:.2e}")
-    assert diff <= 1e-5  # fp32 AdamW; the all-reduces sum in another order (measured 5.9e-6)
-    # each process holds 1/4 of every block matrix and 1/2 of the rest (live local tensors)
+    assert diff <= 1e-5  # fp32 AdamW; the all-reduces sum in another order (measured 3.4e-6)
+
+    # each process holds 1/4 of every block matrix and of the vocabulary, 1/2 of the rest: the planner's bytes
+    # within 5% of the live local tensors' (FSDP2 pads uneven shards; the vocabulary of 41 splits 21 / 20)
+    config, task, _ = plan.load_config(None, "tiny", "causal-lm", None, None)
+    predicted = plan.tensor_parallel_bytes(plan.model_spec(config, task, "tiny"), tp=2, dp=2, shard_vocab=True)
+    for key, value in predicted.items():
+        assert all(abs(m - value) <= 0.05 * m for m in r[key]), (key, value, r[key])
     assert r["param_bytes"][0] < 0.3 * ref["param_bytes"][0]
+    sharded = [c["sharded"] for c in r["local_param_counts"]]
+    assert sharded[0] == sharded[2] != sharded[1] == sharded[3], sharded  # tp rank 0 holds 21 vocabulary rows
 
     # resume the mesh from its step-3 checkpoint, as after a kill -9 there: the uninterrupted run's parameters
     cut = tmp_path / "cut"
@@ -48,3 +57,15 @@ def test_tp_size_must_divide_the_processes(tp, world, ok):
     else:
         with pytest.raises(SystemExit, match=f"--tp_size {tp} with {world} processes.*divisor of {world}"):
             compat.check(run)
+
+
+def test_accelerate_parallelism_config_on_cpu_is_refused_with_the_alternative():
+    env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2",
+           "PARALLELISM_CONFIG_CP_SIZE": "2", "WORLD_SIZE": "4"}
+    assert compat.launched_parallelism(env) == "tp=2 cp=2" and compat.launched_parallelism({}) == ""
+    run = compat.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=4, on_accelerator=False,
+                     parallelism_config=compat.launched_parallelism(env))
+    with pytest.raises(SystemExit, match="ParallelismConfig.*CPU.*context parallel.*sdpa.*--tp_size N.*tp2_dp2"):
+        compat.check(run)
+    compat.check(compat.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=4,
+                            parallelism_config="tp=2"))  # on GPUs the table leaves it to Accelerate
