@@ -54,10 +54,11 @@ RECIPES: dict[str, Support] = {
                                  own_attention_mask=True),
     "data_model_parallel": Support(shardings=("ddp",), min_processes=4,
                                    instead="accelerate_configs/data_model_parallel.yaml", own_attention_mask=True),
-    # Tensor parallel over all processes (recipes/tensor_parallel.py): they train one model, each holding its shard.
+    # Tensor parallel (recipes/tensor_parallel.py): one TP group of all processes, or --tp_size N groups with FSDP2
+    # across them on a (dp, tp) mesh it builds itself; the launch is a plain multi-process one.
     "tensor_parallel": Support(shardings=("ddp",), min_processes=2,
                                instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
-                                       "the tensor-parallel degree)"),
+                                       "the tensor-parallel degree), or tp2_dp2.yaml with --tp_size 2 (TP x FSDP2)"),
     "zero": Support(shardings=_ZERO, accumulates=True, instead="accelerate_configs/zero1.yaml, zero2.yaml, zero3.yaml"),
     "zero3_offload": Support(shardings=_ZERO, accumulates=True, needs_offload=True,
                              instead="accelerate_configs/zero3_offload.yaml, zero2_offload.yaml or zero3_nvme.yaml"),
