@@ -176,6 +176,9 @@ def checkpoint_dtensors(accelerator, model: nn.Module, optimizer: torch.optim.Op
             (Path(output_dir) / "mesh.json").write_text(json.dumps(layout))
 
     def load_hook(_models: list, input_dir: str) -> None:
+        if not (Path(input_dir) / "mesh.json").exists():
+            raise SystemExit(f"{input_dir} has no mesh.json: it was not saved by a DTensor run (tensor parallel). "
+                             "Resume from a checkpoint this recipe wrote, or drop --resume_from_checkpoint.")
         saved = json.loads((Path(input_dir) / "mesh.json").read_text())
         if saved != layout:
             raise SystemExit(f"{input_dir} was saved on the mesh {saved}, and this run's is {layout}. Resume with "

@@ -69,3 +69,58 @@ def test_accelerate_parallelism_config_on_cpu_is_refused_with_the_alternative():
         compat.check(run)
     compat.check(compat.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=4,
                             parallelism_config="tp=2"))  # on GPUs the table leaves it to Accelerate
+
+
+class _Hooks:
+    """What checkpoint_dtensors needs of an Accelerator: somewhere to register its save/load hooks."""
+
+    is_main_process = True
+
+    def __init__(self):
+        self.save = self.load = None
+
+    def register_save_state_pre_hook(self, hook):
+        self.save = hook
+
+    def register_load_state_pre_hook(self, hook):
+        self.load = hook
+
+
+def _trained(seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    return model, optimizer, scheduler
+
+
+def test_dcp_hooks_round_trip_and_refuse_another_mesh(tmp_path):
+    """The hooks' torch.distributed.checkpoint round trip (one process): weights, AdamW moments and the scheduler come
+    back; a checkpoint of another mesh is refused, naming the flags to resume with."""
+    import torch
+
+    from shared.checkpoint import checkpoint_dtensors
+
+    saved, into = _Hooks(), _Hooks()
+    model, optimizer, scheduler = _trained(0)
+    checkpoint_dtensors(saved, model, optimizer, scheduler, {"dp": 1, "tp": 2})
+    saved.save([], [], str(tmp_path))
+    other, other_opt, other_sched = _trained(1)
+    checkpoint_dtensors(into, other, other_opt, other_sched, {"dp": 1, "tp": 2})
+    into.load([], str(tmp_path))
+    for a, b in zip(model.parameters(), other.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(optimizer.state[a]["exp_avg_sq"], other_opt.state[b]["exp_avg_sq"])
+    assert other_sched.state_dict() == scheduler.state_dict()
+
+    elsewhere = _Hooks()
+    checkpoint_dtensors(elsewhere, *_trained(2), {"dp": 2, "tp": 2})
+    with pytest.raises(SystemExit, match=r"saved on the mesh \{'dp': 1, 'tp': 2\}.*--num_processes and --tp_size"):
+        elsewhere.load([], str(tmp_path))
+    with pytest.raises(SystemExit, match="no mesh.json.*not saved by a DTensor run"):
+        elsewhere.load([], str(tmp_path / "dcp"))
