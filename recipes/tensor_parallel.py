@@ -58,6 +58,8 @@ def add_args(p):
                    help="Processes per tensor-parallel group; FSDP2 across the groups. Unset: all processes.")
     p.add_argument("--shard_vocab", action="store_true",
                    help="Causal LM: the embedding and head split over the vocabulary too, the loss on sharded logits.")
+    p.add_argument("--gradient_checkpointing", action="store_true",
+                   help="HF non-reentrant activation checkpointing of each block, applied after TP and before FSDP2.")
 
 
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
@@ -97,6 +99,8 @@ def main(argv=None) -> dict:
         parallelize_module(block, mesh["tp"], plan)  # the weights become DTensors: this process keeps its shard
     if args.shard_vocab:
         shard_vocab(model, mesh["tp"])  # GPT-2's tied embedding and head: Shard(0) of one [vocab, hidden] matrix
+    if args.gradient_checkpointing:  # then activation checkpointing (compile would come next)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if dp > 1:  # then FSDP2 across the groups: each block, then the root (embeddings, head); gradients averaged
         for block in transformer_layers(model):
             fully_shard(block, mesh=mesh["dp"])

@@ -1,7 +1,8 @@
-"""Tensor x data parallel (recipes/tensor_parallel.py --tp_size 2 --shard_vocab, 4 processes): a (dp, tp) = (2, 2)
-mesh, TP inside each group of 2 (the tied embedding and head split over the vocabulary, the loss on sharded logits)
-and FSDP2 across the groups, trains the same parameters as 1 process on the global batch; the planner predicts each
-process's bytes; its torch.distributed.checkpoint shards resume to the uninterrupted run's parameters exactly."""
+"""Tensor x data parallel (recipes/tensor_parallel.py --tp_size 2 --shard_vocab --gradient_checkpointing, 4
+processes): a (dp, tp) = (2, 2) mesh, TP inside each group of 2 (the tied embedding and head split over the
+vocabulary, the loss on sharded logits), activation checkpointing, and FSDP2 across the groups, trains the same
+parameters as 1 process on the global batch; the planner predicts each process's bytes; its
+torch.distributed.checkpoint shards resume to the uninterrupted run's parameters exactly."""
 
 import shutil
 
@@ -11,7 +12,8 @@ from shared import compat, plan
 from tests.conftest import launch, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON
 
-MESH = ("--tp_size", "2", "--shard_vocab", "--per_device_train_batch_size", "8")  # 2 groups x 8: the global batch is 16
+# 2 groups x 8: the global batch is 16. torchtitan's order: TP, activation checkpointing, FSDP2.
+MESH = ("--tp_size", "2", "--shard_vocab", "--gradient_checkpointing", "--per_device_train_batch_size", "8")
 
 
 @pytest.mark.slow
