@@ -910,3 +910,21 @@ __all__ = ["ModelSpec", "Technique", "TECHNIQUES", "Prediction", "predict", "act
            "recompute_options", "least_recompute", "adam_state_bytes",
            "zero_model_state_bytes", "nf4_bytes", "int8_bytes", "load_config", "model_spec", "plan", "command",
            "nearest_fits", "main"]
+
+
+# ---------------------------------------------------------------- tensor parallel, and tensor x data parallel
+
+
+def tensor_parallel_bytes(spec: ModelSpec, tp: int, dp: int = 1, shard_vocab: bool = False) -> dict[str, float]:
+    """Per-device fp32 parameter, gradient and AdamW-state bytes of recipes/tensor_parallel.py on a (dp, tp) mesh.
+
+    Megatron's split (shared/tensor_parallel.py PLANS): every block's Linear weights and its column-wise biases (q,
+    k, v and the MLP's up projection) hold 1/tp; the row-wise biases, norms, embeddings and head are whole on each
+    process of a TP group (--shard_vocab: the [vocab, hidden] embedding, tied to the head, 1/tp too). dp > 1: FSDP2
+    then splits everything by dp (evenly: its padding is under a row per tensor)."""
+    split = spec.block_linear_numel + spec.layers * (3 * spec.hidden + spec.intermediate)
+    if shard_vocab:
+        split += spec.vocab * spec.hidden
+    per_device = (split / tp + (spec.num_params - split)) / dp
+    return {"param_bytes": 4 * per_device, "grad_bytes": 4 * per_device,
+            "optimizer_state_bytes": 8 * per_device + 4 * spec.num_tensors}  # exp_avg, exp_avg_sq; a 4-byte step

@@ -42,7 +42,7 @@ DIFF_BUDGET = {
     "pruning": 148,
     "qlora": 162,
     "data_model_parallel": 165,
-    "tensor_parallel": 103,
+    "tensor_parallel": 140,
 }
 
 # What every Accelerator(...) passes: the behaviour a user who copies the loop must not lose (shared/launch.py).
