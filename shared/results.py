@@ -55,6 +55,7 @@ def collect_results(accelerator, args: argparse.Namespace, recipe: str, task, me
         "device": str(accelerator.device),
         "distributed_type": accelerator.distributed_type.value,
         "mixed_precision": accelerator.mixed_precision,
+        "torch_compile": getattr(args, "torch_compile", "none"),  # none | regional | full (shared/launch.py)
         "max_train_steps": args.max_train_steps,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "per_device_train_batch_size": args.per_device_train_batch_size,
@@ -100,7 +101,11 @@ def save_model(accelerator, model: torch.nn.Module, task, output_dir: str) -> No
     """One consolidated model in safetensors that `from_pretrained` loads, whatever held the shards."""
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 / FSDP shards; a collective on all processes
-    unwrapped = accelerator.unwrap_model(model)
+    # --torch_compile: a compiled module names its weights `_orig_mod.<name>`, which from_pretrained would not know;
+    # and unwrap_model keeping the compiled regions of a DDP model returns the DDP wrapper (Accelerate 1.15).
+    if state_dict is not None:
+        state_dict = {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     # A gathered FSDP state dict holds tied weights (GPT-2's lm_head = wte) as separate copies, and save_pretrained
     # drops only ties that share storage: keep the source, as an unsharded save does.
     for target in getattr(unwrapped, "all_tied_weights_keys", None) or {}:  # {target: source}, ties in effect
