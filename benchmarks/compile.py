@@ -37,6 +37,7 @@ def run(mode: str, out: Path, args: argparse.Namespace) -> dict:
     subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=ROOT)
     r = json.loads((out / "run" / "results.json").read_text())
     r["process_s"] = time.perf_counter() - start  # the whole process: imports, data, train, the eval recompile
+    r["load_average_1min"] = os.getloadavg()[0]  # a shared machine's other work slows every figure: say how much
     return r
 
 
@@ -52,7 +53,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             r = run(mode, Path(tmp), args)
         rows[mode] = {k: r[k] for k in ("compile_s", "first_step_s", "steady_step_s", "seconds_per_step",
-                                        "compiled_modules", "initial_loss", "train_loss", "process_s")}
+                                        "compiled_modules", "initial_loss", "train_loss", "process_s",
+                                        "load_average_1min")}
     import torch
 
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -62,12 +64,14 @@ def main() -> None:
     out = Path(args.output or ROOT / "docs" / "results" / f"compile_{args.model_preset}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"Machine: {result['machine']}. {result['model']}, {args.steps} steps, batch {result['batch']}.\n")
-    print("| --torch_compile | compile_s | steady_step_s (ms) | vs off | compiled modules | train_loss | process (s) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| --torch_compile | compile_s | steady_step_s (ms) | vs off | compiled modules | train_loss | process (s) "
+          "| load avg |")
+    print("|---|---|---|---|---|---|---|---|")
     off = rows["off"]["steady_step_s"]
     for mode, r in rows.items():
         print(f"| {mode} | {r['compile_s']:.1f} | {r['steady_step_s'] * 1e3:.1f} | {off / r['steady_step_s']:.2f}x | "
-              f"{r['compiled_modules']} | {r['train_loss']:.4f} | {r['process_s']:.0f} |")
+              f"{r['compiled_modules']} | {r['train_loss']:.4f} | {r['process_s']:.0f} | "
+              f"{r['load_average_1min']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ RECIPES: dict[str, Support] = {
     "baseline": Support(compiles=True, instead=_SHARDED),
     "mixed_precision": Support(compiles=True, instead=_SHARDED),
     "gradient_accumulation": Support(compiles=True, accumulates=True, instead=_SHARDED),
-    "activation_checkpointing": Support(instead="recipes/combined.py --gradient_checkpointing"),
+    "activation_checkpointing": Support(compiles=True, instead="recipes/combined.py --gradient_checkpointing"),
     "data_parallel": Support(compiles=True, instead=_SHARDED),
     "optim_8bit": Support(instead="recipes/combined.py --optim adamw_8bit (ZeRO-1/2 without offload)"),
     # torchao's optimizers train under DDP and FSDP2 (benchmarks/compat.py); ZeRO: see the rule below.
@@ -204,7 +204,7 @@ RULES: tuple[Rule, ...] = (
                    f"recipes/{r.recipe}.py does not compile its model: "
                    f"{RECIPES[r.recipe].no_compile or 'it has not been run compiled here'}",
          lambda r: "drop --torch_compile (and set dynamo_backend: NO in the launch config), or use a recipe that "
-                   "compiles: recipes/baseline.py, mixed_precision.py, gradient_accumulation.py, data_parallel.py"),
+                   "compiles: " + ", ".join(f"recipes/{n}.py" for n, s in RECIPES.items() if s.compiles)),
     Rule(lambda r: r.accumulation > 1 and not RECIPES[r.recipe].accumulates and not _in_backward(r),
          lambda r: f"--gradient_accumulation_steps {r.accumulation}: recipes/{r.recipe}.py does not accumulate "
                    "gradients (Accelerate would still divide every loss by it)",
