@@ -100,12 +100,15 @@ def end_run(accelerator) -> None:
 def save_model(accelerator, model: torch.nn.Module, task, output_dir: str) -> None:
     """One consolidated model in safetensors that `from_pretrained` loads, whatever held the shards."""
     accelerator.wait_for_everyone()
+    from accelerate.utils.other import has_compiled_regions, is_compiled_module
+
+    if is_compiled_module(model) or has_compiled_regions(model):
+        # --torch_compile: save the module that was compiled, which holds the same parameters. A compiled module
+        # names them `_orig_mod.<name>`, which from_pretrained would not know, and unwrap_model keeping the compiled
+        # regions of a DDP model returns the DDP wrapper (Accelerate 1.15): `module.` names.
+        model = accelerator.unwrap_model(model, keep_torch_compile=False)
     state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 / FSDP shards; a collective on all processes
-    # --torch_compile: a compiled module names its weights `_orig_mod.<name>`, which from_pretrained would not know;
-    # and unwrap_model keeping the compiled regions of a DDP model returns the DDP wrapper (Accelerate 1.15).
-    if state_dict is not None:
-        state_dict = {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}
-    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    unwrapped = accelerator.unwrap_model(model)
     # A gathered FSDP state dict holds tied weights (GPT-2's lm_head = wte) as separate copies, and save_pretrained
     # drops only ties that share storage: keep the source, as an unsharded save does.
     for target in getattr(unwrapped, "all_tied_weights_keys", None) or {}:  # {target: source}, ties in effect

@@ -118,3 +118,16 @@ def test_compile_times_are_the_first_step_less_the_median():
     assert times["compile_s"] == pytest.approx(30.0 - 0.0115)
     assert compile_times(None, [])["compile_s"] is None
     assert torch._dynamo.config.recompile_limit >= 8
+
+
+def test_docs_say_which_recipes_compile_as_the_rule_table_does():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "compile.md").read_text()
+    section = text.split("## Which recipes compile", 1)[1].split("\n## ", 1)[0]
+    said = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and len(cells) >= 2 and cells[1] in ("works", "refused"):
+            said |= {name.strip(): cells[1] == "works" for name in cells[0].split(",")}
+    assert said == {name: support.compiles for name, support in compat.RECIPES.items()}
