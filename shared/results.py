@@ -44,7 +44,8 @@ def collect_results(accelerator, args: argparse.Namespace, recipe: str, task, me
     from .flops import run_flops
 
     measured = meter.summary()
-    flops = run_flops(accelerator.unwrap_model(meter.model), args.max_seq_length,
+    # keep_torch_compile=False: the plain model (a regionally compiled DDP model would unwrap to its DDP wrapper).
+    flops = run_flops(accelerator.unwrap_model(meter.model, keep_torch_compile=False), args.max_seq_length,
                       measured["train_tokens_per_second"], accelerator.num_processes, accelerator.device)
     results = {
         "recipe": recipe,

@@ -79,6 +79,7 @@ def test_compiled_gpt2_under_ddp_matches_eager_ddp(tmp_path):
     assert len(set(compiled["param_fingerprint"])) == 1, "the compiled replicas drifted apart"
     assert_same_training(eager, compiled)
     assert_saved_under_its_own_names(tmp_path / "eager", tmp_path / "compiled")
+    assert compiled["model_flops_per_token"] == eager["model_flops_per_token"] > 0  # counted on the plain model
     print(f"DDP causal-lm regional: compile {compiled['compile_s']:.1f} s, steady "
           f"{compiled['steady_step_s'] * 1e3:.1f} ms/step (eager {eager['steady_step_s'] * 1e3:.1f})")
 
