@@ -62,6 +62,7 @@ def main(argv=None) -> dict:
         log_with=launch.log_with,
         project_dir=args.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+        dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
         deepspeed_plugin=plugin,  # None: the launch config's sharding (DDP, FSDP) or none
     )
     start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers

@@ -57,6 +57,7 @@ def main(argv=None) -> dict:
         # torchao's float8 (imported by AORecipeKwargs, after resolve_launch has silenced its load noise):
         # the default filter keeps the first/last Linear and dims not multiple of 16 in high precision.
         kwargs_handlers=[*launch.kwargs_handlers, AORecipeKwargs()],  # + a timeout for collectives
+        dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
     start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     check_fp8_resolved(accelerator)  # Accelerate turns fp8 into fp16 on an older GPU: stop instead

@@ -92,6 +92,7 @@ def main(argv=None) -> dict:
         log_with=launch.log_with,
         project_dir=args.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+        dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
     start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     devices = stage_devices(args.num_stages)

@@ -132,6 +132,12 @@ def parse_args(
                    help="0 disables clipping.")
     g.add_argument("--mixed_precision", default=None, choices=("no", "fp16", "bf16"),
                    help="Unset: the accelerate config's value, else the recipe's default.")
+    g.add_argument("--torch_compile", default=None, choices=("regional", "full"),
+                   help="torch.compile (inductor) through Accelerate's TorchDynamoPlugin, applied in prepare(). "
+                        "regional: each repeated transformer block compiled once and reused (Accelerate's "
+                        "use_regional_compilation; the shortest cold start), the rest of the model compiled apart. "
+                        "full: the whole model as one graph. Unset: eager. Recipes that do not compile through "
+                        "prepare() refuse it (shared/compat.py).")
     g.add_argument("--seed", type=number(int, low=0), default=42)
     g.add_argument("--ddp_timeout", type=COUNT, default=1800,
                    help="Seconds a process waits for the others in a collective before failing.")

@@ -32,15 +32,33 @@ class Support:
     why_not: str = ""  # why it cannot run the others, where that is more than "it would crash"
     own_attention_mask: bool = False  # its pipeline stages run the blocks with a plain causal mask
     precision: str = ""  # the one mixed precision it trains in ("": whichever the flag or launch config says)
+    # --torch_compile: the model goes through accelerator.prepare(), which compiles it (regional or full) after DDP /
+    # FSDP2 / activation checkpointing; tests/test_compile.py. Others say why not in `no_compile`.
+    compiles: bool = False
+    no_compile: str = ""
 
 
+_NO = {  # --torch_compile: why these recipes refuse it (the others: not run compiled here yet)
+    "model_parallel": ("its model is left out of accelerator.prepare() (it places the blocks over the devices itself), "
+                       "so nothing would compile it"),
+    "pipeline_parallel": ("its stages run through torch.distributed.pipelining, outside accelerator.prepare(), so "
+                          "nothing would compile them"),
+    "data_model_parallel": ("its stages run through torch.distributed.pipelining, outside accelerator.prepare(), so "
+                            "nothing would compile them"),
+    "tensor_parallel": ("its blocks are split with parallelize_module outside accelerator.prepare(), so nothing would "
+                        "compile them (DTensor blocks under inductor were not run here)"),
+    "zero": ("under DeepSpeed, Accelerate compiles the engine's module in place (engine.compile), which has not been "
+             "run on this stack"),
+    "zero3_offload": ("under DeepSpeed, Accelerate compiles the engine's module in place (engine.compile), which has "
+                      "not been run on this stack"),
+}
 _SHARDED = "recipes/zero.py (ZeRO), recipes/fsdp.py (FSDP) or recipes/combined.py (this technique with sharding)"
 RECIPES: dict[str, Support] = {
-    "baseline": Support(instead=_SHARDED),
-    "mixed_precision": Support(instead=_SHARDED),
-    "gradient_accumulation": Support(accumulates=True, instead=_SHARDED),
-    "activation_checkpointing": Support(instead="recipes/combined.py --gradient_checkpointing"),
-    "data_parallel": Support(instead=_SHARDED),
+    "baseline": Support(compiles=True, instead=_SHARDED),
+    "mixed_precision": Support(compiles=True, instead=_SHARDED),
+    "gradient_accumulation": Support(compiles=True, accumulates=True, instead=_SHARDED),
+    "activation_checkpointing": Support(compiles=True, instead="recipes/combined.py --gradient_checkpointing"),
+    "data_parallel": Support(compiles=True, instead=_SHARDED),
     "optim_8bit": Support(instead="recipes/combined.py --optim adamw_8bit (ZeRO-1/2 without offload)"),
     # torchao's optimizers train under DDP and FSDP2 (benchmarks/compat.py); ZeRO: see the rule below.
     "optim_low_bit": Support(shardings=(*_CLASSIC, "fsdp"), instead="accelerate_configs/multi_cpu.yaml (DDP), "
@@ -48,19 +66,20 @@ RECIPES: dict[str, Support] = {
     "pruning": Support(instead="a single process or DDP (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml)"),
     "qat": Support(instead="a single process or DDP (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml)"),
     "ptq": Support(shardings=("none",), max_processes=1, instead="`python recipes/ptq.py` (one process)"),
-    "model_parallel": Support(shardings=("none",), max_processes=1,
+    "model_parallel": Support(no_compile=_NO["model_parallel"], shardings=("none",), max_processes=1,
                               instead="recipes/data_model_parallel.py for stages with data-parallel replicas"),
     "pipeline_parallel": Support(shardings=("ddp",), min_processes=2, instead="accelerate_configs/pipeline.yaml",
-                                 own_attention_mask=True),
-    "data_model_parallel": Support(shardings=("ddp",), min_processes=4,
+                                 own_attention_mask=True, no_compile=_NO["pipeline_parallel"]),
+    "data_model_parallel": Support(no_compile=_NO["data_model_parallel"], shardings=("ddp",), min_processes=4,
                                    instead="accelerate_configs/data_model_parallel.yaml", own_attention_mask=True),
     # Tensor parallel (recipes/tensor_parallel.py): one TP group of all processes, or --tp_size N groups with FSDP2
     # across them on a (dp, tp) mesh it builds itself; the launch is a plain multi-process one.
-    "tensor_parallel": Support(shardings=("ddp",), min_processes=2,
+    "tensor_parallel": Support(no_compile=_NO["tensor_parallel"], shardings=("ddp",), min_processes=2,
                                instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
                                        "the tensor-parallel degree), or tp2_dp2.yaml with --tp_size 2 (TP x FSDP2)"),
-    "zero": Support(shardings=_ZERO, accumulates=True, instead="accelerate_configs/zero1.yaml, zero2.yaml, zero3.yaml"),
-    "zero3_offload": Support(shardings=_ZERO, accumulates=True, needs_offload=True,
+    "zero": Support(shardings=_ZERO, accumulates=True, instead="accelerate_configs/zero1.yaml, zero2.yaml, zero3.yaml",
+                    no_compile=_NO["zero"]),
+    "zero3_offload": Support(no_compile=_NO["zero3_offload"], shardings=_ZERO, accumulates=True, needs_offload=True,
                              instead="accelerate_configs/zero3_offload.yaml, zero2_offload.yaml or zero3_nvme.yaml"),
     "fsdp": Support(shardings=("fsdp",), min_processes=2, instead="accelerate_configs/fsdp.yaml or fsdp_offload.yaml"),
     "qlora": Support(shardings=SHARDINGS),
@@ -112,6 +131,7 @@ class Run:
     tensor_parallel_size: int = 0  # processes per tensor-parallel group, data parallel across them (0: all of them)
     parallelism_config: str = ""  # Accelerate's ParallelismConfig from the launch config, e.g. "tp=2 cp=2" ("": none)
     packing: str = "none"  # causal LM: concat | per_document | none (shared/packing.py)
+    compile: str = "none"  # torch.compile through Accelerate's TorchDynamoPlugin: none | regional | full
     flags: Mapping[str, str] = field(default_factory=dict)
 
     def flag(self, name: str) -> str:
@@ -182,6 +202,12 @@ RULES: tuple[Rule, ...] = (
                    f"recipes/{r.recipe}.py trains in {RECIPES[r.recipe].precision} only",
          lambda r: "drop --mixed_precision and use a launch config with mixed_precision 'no' (accelerate_configs/"
                    "single_process.yaml, multi_cpu.yaml), or recipes/mixed_precision.py for fp16 / bf16"),
+    Rule(lambda r: r.compile != "none" and not RECIPES[r.recipe].compiles,
+         lambda r: f"--torch_compile {r.compile} (the flag or the launch config's dynamo_config): "
+                   f"recipes/{r.recipe}.py does not compile its model: "
+                   f"{RECIPES[r.recipe].no_compile or 'it has not been run compiled here'}",
+         lambda r: "drop --torch_compile (and set dynamo_backend: NO in the launch config), or use a recipe that "
+                   "compiles: " + ", ".join(f"recipes/{n}.py" for n, s in RECIPES.items() if s.compiles)),
     Rule(lambda r: r.accumulation > 1 and not RECIPES[r.recipe].accumulates and not _in_backward(r),
          lambda r: f"--gradient_accumulation_steps {r.accumulation}: recipes/{r.recipe}.py does not accumulate "
                    "gradients (Accelerate would still divide every loss by it)",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import re
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -300,6 +301,26 @@ def observe_compute_dtype(model: nn.Module) -> Callable[[], str | None]:
     return read
 
 
+def compiled_modules(model: nn.Module) -> int:
+    """How many modules run compiled: wrapped by torch.compile (an OptimizedModule, as Accelerate's regional and
+    full compilation return) or compiled in place with module.compile() (Accelerate's FSDP2 and DeepSpeed paths)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return sum(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+               for m in model.modules())
+
+
+def compile_times(first_step_s: float | None, step_times: list[float]) -> dict[str, float | None]:
+    """What compiling cost, for every run (compiled or not, so they compare): `steady_step_s`, the median of the
+    steps after the first (a recompile at a later step, e.g. a new batch shape, does not move it), and `compile_s`,
+    the first step's wall time minus that steady time: the one-off cost of the first step (tracing and code
+    generation under --torch_compile; in an eager run only the allocator's and the kernels' warm-up)."""
+    if first_step_s is None or not step_times:
+        return {"first_step_s": first_step_s, "steady_step_s": None, "compile_s": None}
+    steady = statistics.median(step_times)
+    return {"first_step_s": first_step_s, "steady_step_s": steady, "compile_s": max(0.0, first_step_s - steady)}
+
+
 # ---------------------------------------------------------------- the training-loop meter
 
 
@@ -326,6 +347,8 @@ class Meter:
         self.memory_trace: list[int] = []  # this process's memory at each logging step: growth means a leak
         self._read_dtype = observe_compute_dtype(model)
         self._warmup = True
+        self.first_step_s: float | None = None  # the first optimizer step's wall time (synced)
+        self.step_times: list[float] = []  # each later step's wall time
 
     def steps(self, start: int, stop: int) -> Iterator[int]:
         """Optimizer steps start..stop-1. The first step of a run is warm-up and is left out of the timing."""
@@ -337,13 +360,19 @@ class Meter:
         # The clock runs from the end of the first step to the end of the last: two device syncs in all, where one
         # per step would stall the host's kernel launches at every step.
         t0, done = None, 0
+        start = last = time.perf_counter()
         for step in bar:
             self._warmup = t0 is None
             yield step
             done += 1
             if t0 is None:
                 self._sync()
-                t0 = time.perf_counter()
+                t0 = last = time.perf_counter()
+                self.first_step_s = t0 - start  # compiles the model under --torch_compile (the forward and backward)
+            else:  # host wall time per step, no device sync (on a GPU the host may run a little ahead)
+                now = time.perf_counter()
+                self.step_times.append(now - last)
+                last = now
         self._sync()
         if t0 is not None:
             self.elapsed, self.timed_steps = time.perf_counter() - t0, done - 1
@@ -406,6 +435,8 @@ class Meter:
             "train_loss": self.last_loss,
             "train_runtime": self.elapsed,
             "seconds_per_step": seconds / max(1, self.timed_steps),
+            "compiled_modules": compiled_modules(self.model),
+            **compile_times(self.first_step_s, self.step_times),
             "train_samples_per_second": totals[0].item() / seconds,
             "train_tokens_per_second": totals[1].item() / seconds,
             "compute_dtype": self._read_dtype(),

@@ -59,7 +59,7 @@ def _memory_estimate(recipe: str, accelerator, args, model) -> dict:
     tech = _technique(recipe, accelerator, args)
     if tech is None:
         return {"estimate": f"the planner has no model of recipes/{recipe}.py under this launch"}
-    spec = model_spec(accelerator.unwrap_model(model).config, args.task, "run")
+    spec = model_spec(accelerator.unwrap_model(model, keep_torch_compile=False).config, args.task, "run")
     seq = None if args.task == "image-classification" else args.max_seq_length
     precision = "bf16" if args.mixed_precision in ("bf16", "fp16") else "fp32"
     on_gpu = accelerator.device.type == "cuda"

@@ -44,7 +44,8 @@ def collect_results(accelerator, args: argparse.Namespace, recipe: str, task, me
     from .flops import run_flops
 
     measured = meter.summary()
-    flops = run_flops(accelerator.unwrap_model(meter.model), args.max_seq_length,
+    # keep_torch_compile=False: the plain model (a regionally compiled DDP model would unwrap to its DDP wrapper).
+    flops = run_flops(accelerator.unwrap_model(meter.model, keep_torch_compile=False), args.max_seq_length,
                       measured["train_tokens_per_second"], accelerator.num_processes, accelerator.device)
     results = {
         "recipe": recipe,
@@ -55,6 +56,7 @@ def collect_results(accelerator, args: argparse.Namespace, recipe: str, task, me
         "device": str(accelerator.device),
         "distributed_type": accelerator.distributed_type.value,
         "mixed_precision": accelerator.mixed_precision,
+        "torch_compile": getattr(args, "torch_compile", "none"),  # none | regional | full (shared/launch.py)
         "max_train_steps": args.max_train_steps,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "per_device_train_batch_size": args.per_device_train_batch_size,
@@ -99,6 +101,13 @@ def end_run(accelerator) -> None:
 def save_model(accelerator, model: torch.nn.Module, task, output_dir: str) -> None:
     """One consolidated model in safetensors that `from_pretrained` loads, whatever held the shards."""
     accelerator.wait_for_everyone()
+    from accelerate.utils.other import has_compiled_regions, is_compiled_module
+
+    if is_compiled_module(model) or has_compiled_regions(model):
+        # --torch_compile: save the module that was compiled, which holds the same parameters. A compiled module
+        # names them `_orig_mod.<name>`, which from_pretrained would not know, and unwrap_model keeping the compiled
+        # regions of a DDP model returns the DDP wrapper (Accelerate 1.15): `module.` names.
+        model = accelerator.unwrap_model(model, keep_torch_compile=False)
     state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 / FSDP shards; a collective on all processes
     unwrapped = accelerator.unwrap_model(model)
     # A gathered FSDP state dict holds tied weights (GPT-2's lm_head = wte) as separate copies, and save_pretrained

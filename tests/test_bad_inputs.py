@@ -364,6 +364,12 @@ CASES = [
          ["--group_size: must be at least 1"], recipe="qat"),
     Case("zero-pruning-frequency", "pruning every 0 steps", ["--pruning_frequency", "0"],
          ["--pruning_frequency: must be at least 1"], recipe="pruning"),
+    Case("compile-not-wired", "--torch_compile in a recipe whose model does not go through prepare()",
+         ["--torch_compile", "regional"], ["--torch_compile regional", "does not compile its model",
+                                           "Drop --torch_compile"], recipe="model_parallel"),
+    Case("compile-other-backend", "a launch config's dynamo backend other than inductor", [],
+         ["dynamo_backend 'aot_eager'", "Set dynamo_backend: INDUCTOR"],
+         env={"ACCELERATE_DYNAMO_BACKEND": "AOT_EAGER"}),
 ]
 
 

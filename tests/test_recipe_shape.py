@@ -47,7 +47,8 @@ DIFF_BUDGET = {
 
 # What every Accelerator(...) passes: the behaviour a user who copies the loop must not lose (shared/launch.py).
 VISIBLE = ("cpu=launch.cpu", "mixed_precision=args.mixed_precision", "sync_with_dataloader=False",
-           "step_scheduler_with_optimizer=False", "use_seedable_sampler=True", "kwargs_handlers=")
+           "step_scheduler_with_optimizer=False", "use_seedable_sampler=True", "kwargs_handlers=",
+           "dynamo_plugin=launch.dynamo_plugin")  # --torch_compile, or an explicit "no" (never the env's)
 
 
 def changed_lines(recipe: str) -> int:
