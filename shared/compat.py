@@ -32,6 +32,7 @@ class Support:
     why_not: str = ""  # why it cannot run the others, where that is more than "it would crash"
     own_attention_mask: bool = False  # its pipeline stages run the blocks with a plain causal mask
     precision: str = ""  # the one mixed precision it trains in ("": whichever the flag or launch config says)
+    splits_sequence: bool = False  # each process holds a chunk of every sequence (sequence parallel)
 
 
 _SHARDED = "recipes/zero.py (ZeRO), recipes/fsdp.py (FSDP) or recipes/combined.py (this technique with sharding)"
@@ -58,6 +59,10 @@ RECIPES: dict[str, Support] = {
     "tensor_parallel": Support(shardings=("ddp",), min_processes=2,
                                instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
                                        "the tensor-parallel degree)"),
+    # Ulysses sequence parallel over all processes (recipes/sequence_parallel.py): each holds a chunk of every sequence.
+    "sequence_parallel": Support(shardings=("ddp",), min_processes=2, splits_sequence=True,
+                                 instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
+                                         "the sequence-parallel degree)"),
     "zero": Support(shardings=_ZERO, accumulates=True, instead="accelerate_configs/zero1.yaml, zero2.yaml, zero3.yaml"),
     "zero3_offload": Support(shardings=_ZERO, accumulates=True, needs_offload=True,
                              instead="accelerate_configs/zero3_offload.yaml, zero2_offload.yaml or zero3_nvme.yaml"),
@@ -109,6 +114,8 @@ class Run:
     merge_unsaved: bool = False  # merge an adapter that is not saved
     stages_per_replica: int = 0  # pipeline stages inside each data-parallel replica (0: no such mesh)
     packing: str = "none"  # causal LM: concat | per_document | none (shared/packing.py)
+    task: str = ""  # text-classification | causal-lm | image-classification ("": not checked)
+    seq_len: int = 0  # --max_seq_length (0: not checked)
     flags: Mapping[str, str] = field(default_factory=dict)
 
     def flag(self, name: str) -> str:
@@ -231,6 +238,21 @@ RULES: tuple[Rule, ...] = (
          lambda r: f"--packing per_document: recipes/{r.recipe}.py runs the model through its own pipeline stages, "
                    "whose plain causal mask would let packed documents attend to each other",
          lambda r: "use --packing concat or --packing none with it"),
+    # Sequence parallel (recipes/sequence_parallel.py): each process runs its chunk of every causal-LM sequence.
+    Rule(lambda r: RECIPES[r.recipe].splits_sequence and r.task not in ("", "causal-lm"),
+         lambda r: f"--task {r.task}: recipes/{r.recipe}.py splits causal-LM sequences (its attention is causal "
+                   "over the gathered sequence, its loss next-token)",
+         lambda r: "pass --task causal-lm, or use recipes/data_parallel.py for this task"),
+    Rule(lambda r: RECIPES[r.recipe].splits_sequence and r.seq_len and r.seq_len % r.num_processes,
+         lambda r: f"--max_seq_length {r.seq_len} does not split into {r.num_processes} equal chunks (one per "
+                   "process)",
+         lambda r: f"pass a multiple of {r.num_processes}, e.g. --max_seq_length "
+                   f"{max(r.num_processes, r.seq_len - r.seq_len % r.num_processes)}"),
+    Rule(lambda r: RECIPES[r.recipe].splits_sequence and r.task == "causal-lm" and r.packing != "concat",
+         lambda r: f"--packing {r.packing}: recipes/{r.recipe}.py attends causally over whole packed blocks, and "
+                   + ("per-document masks are not exchanged between the chunks" if r.packing == "per_document" else
+                      "padded samples of varying length do not split into equal chunks"),
+         lambda r: "use --packing concat (the default)"),
     Rule(lambda r: r.merge_unsaved,
          lambda r: f"{r.flag('merge_unsaved')} merges the saved adapter, and --no_save_model skips saving it",
          lambda r: "drop one of them"),
