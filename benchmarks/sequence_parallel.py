@@ -3,8 +3,8 @@
     accelerate launch --config_file accelerate_configs/multi_cpu.yaml benchmarks/sequence_parallel.py
     ... benchmarks/sequence_parallel.py --seq_lens 256 1024 --output out.json   # the test's cheaper points
 
-Each of the 2 processes builds the same GPT-2 (width 128, 4 heads, 2 blocks, vocabulary 1024, positions up to the
-longest length, no dropout) and the same batch, then, at each length:
+Each of the 2 processes builds the same model (GPT-2, and Llama with rotary positions and 2 key/value heads: width
+128, 4 heads, 2 blocks, vocabulary 1024, 2048 positions, no dropout) and the same batch, then, at each length:
 - the reference: the whole sequence on this process alone, plain sdpa, the loss as shared/tasks.py computes it;
 - sequence parallel: this process's chunk (shard()), DeepSpeed's all-to-all around attention, gradients summed over
   the processes with torch.distributed.all_reduce (what DDP does in the recipe);
@@ -102,49 +102,59 @@ def measure(model, sp_model, ids: torch.Tensor, rank: int, world: int) -> dict[s
     }
 
 
-def build_model(max_len: int, vocab: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
+def build_model(kind: str, max_len: int, vocab: int):
+    """GPT-2 (learned absolute positions) or Llama (rotary positions, 2 key/value heads for 4 query heads: GQA)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    config = GPT2Config(n_embd=128, n_layer=2, n_head=4, n_positions=max_len, vocab_size=vocab, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
+    if kind == "gpt2":
+        config = GPT2Config(n_embd=128, n_layer=2, n_head=4, n_positions=max_len, vocab_size=vocab, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0)
+        return GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=max_len, vocab_size=vocab)
+    return LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq_lens", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    p.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=("gpt2", "llama"))
     p.add_argument("--batch_size", type=int, default=2)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--output", default=str(ROOT / "docs" / "results" / "sequence_parallel.json"))
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = build_model(max(args.seq_lens), args.vocab)
-    model.train()
-    sp_model = copy.deepcopy(model)
-    sp.enable(sp_model, world)
     rows = []
-    for length in args.seq_lens:
-        ids = torch.randint(0, args.vocab, (args.batch_size, length), generator=torch.Generator().manual_seed(length))
-        row = measure(model, sp_model, ids, rank, world)
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, row["saved_bytes_sequence_parallel"])
-        row["saved_bytes_sequence_parallel_per_process"] = per_rank
-        row["saved_bytes_ratio"] = max(per_rank) / row["saved_bytes_reference"]
-        rows.append(row)
+    for kind in args.models:
+        torch.manual_seed(0)
+        # positions for 2048 at any --seq_lens: the same weights (and figures) for the test's shorter list
+        model = build_model(kind, max(2048, *args.seq_lens), args.vocab)
+        model.train()
+        sp_model = copy.deepcopy(model)
+        sp.enable(sp_model, world)
+        for length in args.seq_lens:
+            ids = torch.randint(0, args.vocab, (args.batch_size, length),
+                                generator=torch.Generator().manual_seed(length))
+            row = {"model": kind, **measure(model, sp_model, ids, rank, world)}
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, row["saved_bytes_sequence_parallel"])
+            row["saved_bytes_sequence_parallel_per_process"] = per_rank
+            row["saved_bytes_ratio"] = max(per_rank) / row["saved_bytes_reference"]
+            rows.append(row)
     if rank == 0:
         report = {"machine": f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s) per process, torch "
                              f"{torch.__version__}, gloo", "processes": world, "batch_size": args.batch_size,
-                  "model": "GPT-2 width 128, 4 heads, 2 blocks, vocabulary 1024", "rows": rows}
+                  "models": "width 128, 4 heads (Llama: 2 key/value heads), 2 blocks, vocabulary 1024",
+                  "rows": rows}
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
-        print("| sequence | saved MiB, 1 process | saved MiB per process, SP | ratio | loss rel. diff | "
+        print("| model | sequence | saved MiB, 1 process | saved MiB per process, SP | ratio | loss rel. diff | "
               "grad max rel. diff | labels shifted in chunk | positions restarted |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             ref = r["loss_reference"]
-            print(f"| {r['seq_len']} | {r['saved_bytes_reference'] / 2**20:.2f} | "
+            print(f"| {r['model']} | {r['seq_len']} | {r['saved_bytes_reference'] / 2**20:.2f} | "
                   f"{max(r['saved_bytes_sequence_parallel_per_process']) / 2**20:.2f} | {r['saved_bytes_ratio']:.3f} | "
                   f"{r['loss_rel_diff']:.1e} | {r['grad_max_rel_diff']:.1e} | "
                   f"{(r['loss_labels_shifted_in_chunk'] - ref) / ref:+.2e} | "
