@@ -615,6 +615,9 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
             p.buffers += min(4 * psi, 25 * MiB * 2)  # DDP's gradient buckets (25 MB)
     if tech.checkpointing:
         p.activations += act.layer  # one block recomputed at a time in backward
+    if tech.splits_sequence:
+        p.notes.append(f"the global batch is one device's {batch} sequences, each split over the {n} devices (the "
+                       "data-parallel rows train n times as many per step)")
     p.buffers += act.transient
     return p
 
