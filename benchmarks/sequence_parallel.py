@@ -102,6 +102,21 @@ def measure(model, sp_model, ids: torch.Tensor, rank: int, world: int) -> dict[s
     }
 
 
+def adapter_steps(rank: int, world: int) -> list[dict]:
+    """What DeepSpeed's UlyssesSPDataLoaderAdapter (the loader Accelerate's sp_backend="deepspeed" wraps) gives this
+    process per step, when process r's own loader holds sample r (tokens 100 r, 100 r + 1, ...), as Accelerate's
+    prepared loaders give each process its own samples."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+    from torch.utils.data import DataLoader
+
+    tokens = torch.arange(8) + 100 * rank
+    loader = DataLoader([{"input_ids": tokens, "labels": tokens, "position_ids": torch.arange(8)}], batch_size=1)
+    adapter = UlyssesSPDataLoaderAdapter(loader, sp_rank=rank, sp_group=dist.group.WORLD, sp_world_size=world,
+                                         device=torch.device("cpu"))
+    return [{k: next_batch[k][0].tolist() for k in ("input_ids", "shift_labels")}
+            for next_batch in (next(adapter) for _ in range(world))]
+
+
 def build_model(kind: str, max_len: int, vocab: int):
     """GPT-2 (learned absolute positions) or Llama (rotary positions, 2 key/value heads for 4 query heads: GQA)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -142,8 +157,11 @@ def main() -> None:
             row["saved_bytes_sequence_parallel_per_process"] = per_rank
             row["saved_bytes_ratio"] = max(per_rank) / row["saved_bytes_reference"]
             rows.append(row)
+    adapter = [None] * world
+    dist.all_gather_object(adapter, adapter_steps(rank, world))
     if rank == 0:
-        report = {"machine": f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s) per process, torch "
+        report = {"ulysses_adapter_steps_per_process": adapter,
+                  "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s) per process, torch "
                              f"{torch.__version__}, gloo", "processes": world, "batch_size": args.batch_size,
                   "models": "width 128, 4 heads (Llama: 2 key/value heads), 2 blocks, vocabulary 1024",
                   "rows": rows}

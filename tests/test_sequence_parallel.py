@@ -68,6 +68,14 @@ def test_chunks_give_the_whole_sequence_loss_and_gradients_with_half_the_activat
         if r["model"] == "gpt2":  # and shared/plan.py predicts it (see the test below)
             assert _planned_saved_bytes(r, report)[1] == pytest.approx(max(per_process), rel=0.05)
     assert {r["model"] for r in report["rows"]} == {"gpt2", "llama"}  # Llama: rotary positions, 2 of 4 kv heads
+    # DeepSpeed's UlyssesSPDataLoaderAdapter (Accelerate's sp_backend="deepspeed"), process r's loader holding sample
+    # r: it shifts the labels over the whole sequence (4 is the boundary target), and step k trains on process k's
+    # sample alone, shared over the group; an unsharded data-parallel step trains on both samples at once.
+    expected = [{"input_ids": [100 * k + i for i in range(4 * r, 4 * r + 4)],
+                 "shift_labels": [100 * k + i + 1 if i < 7 else -100 for i in range(4 * r, 4 * r + 4)]}
+                for r in range(2) for k in range(2)]
+    got = [step for per_process in report["ulysses_adapter_steps_per_process"] for step in per_process]
+    assert got == expected, got
 
 
 @pytest.mark.slow
