@@ -54,6 +54,8 @@ WEIGHTS = {
     "lora": ["--lora"],
     "int8+lora": ["--load_in", "8bit", "--lora"],
     "nf4+lora": ["--load_in", "4bit", "--lora"],
+    "nf4+dora": ["--load_in", "4bit", "--lora", "--use_dora"],
+    "chunked-loss": ["--chunked_loss"],
     "ao-8bit-optim": ["--optim", "adamw_8bit"],
     "ao-4bit-optim": ["--optim", "adamw_4bit"],
     "ao-fp8-optim": ["--optim", "adamw_fp8"],
@@ -87,7 +89,7 @@ class Cell:
         recipe_args = [*WEIGHTS[self.weights], "--mixed_precision", {"fp32": "no"}.get(self.precision, self.precision)]
         if self.checkpointing:
             recipe_args.append("--gradient_checkpointing")
-        if self.weights == "nf4+lora" and self.sharding in ("zero3", "fsdp"):
+        if self.weights in ("nf4+lora", "nf4+dora") and self.sharding in ("zero3", "fsdp"):
             recipe_args += ["--bnb_4bit_quant_storage", "bfloat16"]
         if self.offload == "nvme" and self.weights not in RECIPE_OF:  # recipes that set up DeepSpeed take a path
             recipe_args += ["--nvme_path", str((out or Path("/tmp/nvme")) / "nvme")]
@@ -203,10 +205,15 @@ def what_went_wrong(cell: Cell, r: dict) -> list[str]:
     loss = r.get("train_loss")
     if loss is None or not math.isfinite(loss):
         problems.append(f"loss {loss}")
-    if cell.weights in ("int8+lora", "nf4+lora") and not r.get("quantized_layers"):
+    if cell.weights in ("int8+lora", "nf4+lora", "nf4+dora") and not r.get("quantized_layers"):
         problems.append("no quantized layers")
-    if "lora" in cell.weights and r.get("trainable_params", 0) >= 0.5 * (r.get("total_params") or 1e30):
+    adapters = "lora" in cell.weights or "dora" in cell.weights
+    if adapters and r.get("trainable_params", 0) >= 0.5 * (r.get("total_params") or 1e30):
         problems.append("LoRA but most parameters train")
+    if cell.weights == "nf4+dora" and not r.get("use_dora"):
+        problems.append("DoRA asked for, LoRA trained")
+    if cell.weights == "chunked-loss" and not r.get("loss_chunks"):
+        problems.append("no chunked loss in the run")
     if cell.weights == "8bit-optim" and "8bit" not in str(r.get("optimizer_class")).lower():
         problems.append(f"optimizer {r.get('optimizer_class')}, not 8-bit")
     if cell.weights in RECIPE_OF and not r.get("tensors_with_quantized_state"):

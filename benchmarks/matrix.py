@@ -6,6 +6,10 @@
 Writes docs/results/matrix.md, matrix.json and matrix.png (or --output_dir). Each run's measured bytes are printed
 beside what the planner (shared/plan.py) predicts for it. Adding a recipe or a config is one line in RUNS.
 
+No speed column: each cell is one short run, and a ratio of two such runs swung from 0.07x to 1.20x between tiny
+runs (one timed step). Speed ratios are published only by the benchmarks that time enough steps, as medians of
+interleaved repeats with their spread: benchmarks/overhead.py, checkpointing_curve.py, dora.py, compile.py.
+
 Single-process runs are forked from this process after it has imported the stack once (about 6 s saved per run):
 the child starts with the same imported runtime a fresh `accelerate launch` has, and its peak RSS is measured the
 same way (see docs/planner.md for the check). Runs with several processes go through `accelerate launch`.
@@ -63,6 +67,7 @@ class Run:
     technique: Technique | None = None  # how the planner models it; None: not predicted
     quick: bool = False  # part of --quick
     presets: tuple[str, ...] = ("tiny", "base")  # multi-process base-size runs take many minutes on 2 CPU cores
+    tasks: tuple[str, ...] = ("text-classification", "causal-lm", "image-classification")
 
     @property
     def name(self) -> str:
@@ -98,6 +103,17 @@ RUNS: list[Run] = [
     Run("fsdp", config="fsdp_offload.yaml", technique=T("fsdp_offload", "fsdp", "fsdp_offload.yaml", strategy="fsdp",
                                                          offload="all")),
     Run("qlora", args=("--bits", "4"), technique=T("qlora_4bit", "qlora", None, quant="nf4"), presets=("tiny",)),
+    Run("qlora", args=("--bits", "4", "--use_dora"), technique=T("qlora_4bit_dora", "qlora", None, quant="nf4",
+                                                                 dora=True), presets=("tiny",)),
+    # The memory techniques of issue 13, one process, tiny preset in --quick.
+    Run("chunked_loss", args=("--loss_chunk_size", "16"), technique=T("chunked_loss", "chunked_loss", None,
+                                                                      loss_chunk=16),
+        quick=True, presets=("tiny",), tasks=("causal-lm",)),
+    Run("optim_low_bit", args=("--optim", "adamw_4bit"), technique=T("optim_4bit", "optim_low_bit", None,
+                                                                      optimizer="adamw_4bit"),
+        quick=True, presets=("tiny",)),
+    Run("optimizer_in_backward", technique=T("optimizer_in_backward", "optimizer_in_backward", None,
+                                             optimizer="in_backward"), quick=True, presets=("tiny",)),
     Run("qlora", args=("--bits", "8"), technique=T("qlora_8bit", "qlora", None, quant="int8"), presets=("tiny",)),
     Run("qat", presets=("tiny",)),
     Run("pruning", presets=("tiny",)),
@@ -214,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(args.work_dir) if args.work_dir else out_dir / "runs"
     runs = [r for r in RUNS if (r.quick or not args.quick) and (not args.recipes or r.recipe in args.recipes)]
     jobs = [(r, t, p) for p in presets for t in args.tasks for r in runs
-            if (r.recipe, t, p) not in setup["skip"] and p in r.presets
+            if (r.recipe, t, p) not in setup["skip"] and p in r.presets and t in r.tasks
             and not (p == "base" and args.base_recipes and r.recipe not in args.base_recipes)]
     rows = []
     bar = tqdm(jobs, desc="matrix", dynamic_ncols=True)
@@ -253,9 +269,12 @@ def _relative_to_baseline(rows: list[dict]) -> None:
         if r["status"] != "ok" or b is None:
             continue
         m, bm = r["measured"], b["measured"]
-        r["throughput_vs_baseline"] = (m["train_tokens_per_second"] / bm["train_tokens_per_second"]
-                                       if m["train_tokens_per_second"] and bm["train_tokens_per_second"] else None)
+        r["model_states_vs_baseline"] = _model_states(m) / _model_states(bm)
         r["loss_vs_baseline"] = (m["train_loss"] / bm["train_loss"] if m["train_loss"] and bm["train_loss"] else None)
+
+
+def _model_states(measured: dict) -> float:
+    return sum(measured[k][0] for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes"))
 
 
 def machine() -> dict:
@@ -265,10 +284,6 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem, "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "accelerate": accelerate.__version__, "date": time.strftime("%Y-%m-%d")}
-
-
-def _rate(v: float | None) -> str:
-    return "" if v is None else (f"{v:,.0f}" if v >= 10 else f"{v:.2f}")
 
 
 def _mb(v: float | None) -> str:
@@ -287,14 +302,16 @@ def write_outputs(report: dict, out_dir: Path) -> None:
              "(causal LM) / 17 or 197 patches (ViT tiny / base). Memory per process in MiB; measured (pred = "
              "shared/plan.py). Peak = peak RSS of the process, with the ~450 MiB Python/torch runtime of a process "
              "forked from the matrix (a fresh `accelerate launch` process has 85 MiB more, see docs/planner.md). "
-             "Throughput and loss relative to the baseline recipe of the same task and preset, same run"
+             "Model states (params + grads + optimizer, per process) and loss relative to the baseline recipe of the "
+             "same task and preset, same run. No speed column: one short run per cell is not a stable ratio (see "
+             "benchmarks/overhead.py and the technique pages for timed medians)"
              f"{'; ' + report['note'] if report.get('note') else ''}.", "",
              "| run | task | preset | procs | peak (pred) | params (pred) | grads (pred) | optim (pred) "
-             "| activations saved (pred) | tokens/s | speed vs baseline | loss vs baseline | eval | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| activations saved (pred) | model states vs baseline | loss vs baseline | eval | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['run']} | {r['task']} | {r['preset']} | | | | | | | | | | | failed: "
+            lines.append(f"| {r['run']} | {r['task']} | {r['preset']} | | | | | | | | | | failed: "
                          f"{(r['error'] or '')[:80]} |")
             continue
         me, pr = r["measured"], r.get("predicted") or {}
@@ -312,11 +329,11 @@ def write_outputs(report: dict, out_dir: Path) -> None:
         ev = me.get("eval_accuracy")
         ev = f"acc {ev:.2f}" if ev is not None else (f"ppl {me['eval_perplexity']:.0f}"
                                                       if me.get("eval_perplexity") else "")
-        tv, lv = r.get("throughput_vs_baseline"), r.get("loss_vs_baseline")
+        sv, lv = r.get("model_states_vs_baseline"), r.get("loss_vs_baseline")
         lines.append(f"| {r['run']} | {r['task']} | {r['preset']} | {me['num_processes']} | "
                      f"{both('peak_memory_bytes')} | {both('param_bytes')} | {both('grad_bytes')} | "
-                     f"{both('optimizer_state_bytes')} | {act_cell} | {_rate(me['train_tokens_per_second'])} | "
-                     f"{'' if tv is None else f'{tv:.2f}'} | {'' if lv is None else f'{lv:.3f}'} | {ev} | ok |")
+                     f"{both('optimizer_state_bytes')} | {act_cell} | {'' if sv is None else f'{sv:.3f}'} | "
+                     f"{'' if lv is None else f'{lv:.3f}'} | {ev} | ok |")
     (out_dir / "matrix.md").write_text("\n".join(lines) + "\n")
     plot(report, out_dir / "matrix.png")
 
@@ -358,10 +375,10 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylim(0, max(peak + [p / mib for p in pred if p]) * 1.45)  # headroom: the legend sits above the bars
         ax.legend(fontsize=7, loc="upper center", ncol=3, framealpha=0.9)
         ax = axes[i][1]
-        speed = [r.get("throughput_vs_baseline") or 0 for r in rs]
-        ax.bar(x, speed, color="#8172b2", width=0.6)
+        states = [r.get("model_states_vs_baseline") or 0 for r in rs]
+        ax.bar(x, states, color="#8172b2", width=0.6)
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-        ax.set_title(f"{preset} preset: throughput vs baseline (tokens/s ratio, same task)"
+        ax.set_title(f"{preset} preset: model-state bytes per process vs baseline (same task)"
                      f"{chr(10) + report['note'] if report.get('note') else ''}", fontsize=9)
         ax.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=7)
     fig.suptitle(f"Technique matrix on {report['machine']['cores']} CPU cores "

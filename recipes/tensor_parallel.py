@@ -1,18 +1,23 @@
 """Tensor parallel with torch.distributed.tensor.parallel: every block's attention and MLP matrices are split over
-the processes (Megatron's layout: the first of each pair column-wise, the second row-wise, one all-reduce after each
-pair in forward and one in backward); embeddings, norms and the head are replicated. Each process holds 1/N of the
-block weights, their gradients and their AdamW moments, and all processes compute on the same batch.
+the processes of a tensor-parallel group (Megatron's layout: the first of each pair column-wise, the second row-wise,
+one all-reduce after each pair in forward and one in backward); embeddings, norms and the head are replicated. Each
+process holds 1/tp of the block weights, their gradients and their AdamW moments; a group computes on one batch.
 
-GPT-2, BERT and ViT models; the processes form one tensor-parallel group on a 1-D device mesh (gloo on CPU).
+--tp_size N: a 2-D mesh (dp, tp) = (processes / N, N). TP inside each group of N, then FSDP2 (fully_shard over
+the "dp" dimension) across the groups, in torchtitan's order (TP, activation checkpointing, compile, FSDP); the
+groups read different batches. Unset: one group of all processes (a 1-D mesh, no data parallel).
+GPT-2, BERT and ViT models; gloo on CPU.
     accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/tensor_parallel.py --task causal-lm
-    accelerate launch --config_file accelerate_configs/multi_gpu.yaml recipes/tensor_parallel.py --model_preset base
-Every process reads the same whole batch: the global batch is --per_device_train_batch_size. Saves one consolidated
-model.safetensors (each shard gathered with full_tensor()) that from_pretrained loads in one process.
+    accelerate launch --config_file accelerate_configs/tp2_dp2.yaml recipes/tensor_parallel.py --tp_size 2
+Global batch = --per_device_train_batch_size x data-parallel groups. --checkpointing_steps: each process writes its
+shards (torch.distributed.checkpoint); resume on the same mesh. Saves one consolidated model.safetensors (each
+shard gathered with full_tensor()) that from_pretrained loads in one process.
 """
 
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import GradientAccumulationPlugin, gather_object
@@ -20,7 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
+from shared.args import COUNT, parse_args
+from shared.checkpoint import checkpoint_dtensors, maybe_save_checkpoint, resume
 from shared.data import endless_batches
 from shared.guard import DivergenceGuard
 from shared.launch import entrypoint, resolve_launch, start_run
@@ -36,23 +42,33 @@ from shared.tensor_parallel import (
     clip_grad_norm,
     family_of,
     local_param_counts,
+    mesh_shape,
+    plain,
     prepare_blocks,
     save_consolidated,
+    shard_vocab,
+    vocab_loss,
 )
 
 RECIPE = "tensor_parallel"
 
 
 def add_args(p):
-    """This recipe's own flags (none: the tensor-parallel degree is the number of processes)."""
+    p.add_argument("--tp_size", type=COUNT, default=None,
+                   help="Processes per tensor-parallel group; FSDP2 across the groups. Unset: all processes.")
+    p.add_argument("--shard_vocab", action="store_true",
+                   help="Causal LM: the embedding and head split over the vocabulary too, the loss on sharded logits.")
+    p.add_argument("--gradient_checkpointing", action="store_true",
+                   help="HF non-reentrant activation checkpointing of each block, applied after TP and before FSDP2.")
 
 
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
-    launch = resolve_launch(args, RECIPE)
-    check_flags(args)  # what this first version does not do yet (fp16, checkpoints), with the way round it
+    launch = resolve_launch(args, RECIPE, tensor_parallel_size=args.tp_size or 0,
+                            flags={"tensor_parallel_size": "--tp_size"})
+    check_flags(args)  # what this version does not do yet (fp16), with the way round it
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=args.mixed_precision,
@@ -66,52 +82,74 @@ def main(argv=None) -> dict:
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
     )
     start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    world, device = accelerator.num_processes, accelerator.device
+    device = accelerator.device
+    dp, tp = mesh_shape(accelerator.num_processes, args.tp_size)
     task = load_task(args, accelerator)  # the same seed on every process: each starts from the same whole model
     model = task.model.to(device)
 
-    # ---- the technique: one mesh dimension over all processes, and each block's matrices split over it
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
-    family = family_of(model, world)
-    prepare_blocks(model, world)  # GPT-2: Conv1D -> nn.Linear, its fused qkv grouped per process, heads per process
+    # ---- the technique: a (dp, tp) mesh, rank = dp_rank * tp + tp_rank; each block's matrices split over "tp"
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    family = family_of(model, tp)
+    prepare_blocks(model, tp)  # GPT-2: Conv1D -> nn.Linear, its fused qkv grouped per process, heads per process
     plan = {name: ColwiseParallel() if style == "colwise" else RowwiseParallel()
             for name, style in PLANS[family].items()}
     for block in transformer_layers(model):
-        parallelize_module(block, mesh, plan)  # the weights become DTensors: this process keeps its shard
-    # Not accelerator.prepare(model): DDP would all-reduce gradients that are already complete on every process.
-    # The data is not split over the processes either: all of them read the same batches, as one process would.
-    train_dl, eval_dl = (prepare_data_loader(dl, device, num_processes=1, process_index=0, use_seedable_sampler=True)
+        parallelize_module(block, mesh["tp"], plan)  # the weights become DTensors: this process keeps its shard
+    if args.shard_vocab:
+        shard_vocab(model, mesh["tp"])  # GPT-2's tied embedding and head: Shard(0) of one [vocab, hidden] matrix
+    if args.gradient_checkpointing:  # then activation checkpointing (compile would come next)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if dp > 1:  # then FSDP2 across the groups: each block, then the root (embeddings, head); gradients averaged
+        for block in transformer_layers(model):
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    # Not accelerator.prepare(model): DDP would all-reduce gradients that TP (and FSDP2) already made whole.
+    # The processes of a group read the same batches; the groups read different ones.
+    dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh.get_group("dp")
+    train_dl, eval_dl = (prepare_data_loader(dl, device, num_processes=dp, process_index=dp_rank,
+                                             use_seedable_sampler=True)
                          for dl in (task.train_dataloader, task.eval_dataloader))
 
     max_steps = total_steps(args, accelerator, train_dl, already_split=True)  # this process's own batches
     optimizer, scheduler = optimizer_and_scheduler(args, model, max_steps)
-    batches = endless_batches(accelerator, train_dl)
+    checkpoint_dtensors(accelerator, model, optimizer, scheduler, {"dp": dp, "tp": tp})  # each process its shards
+    start_step, consumed = resume(accelerator, args)
+    batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, model, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
 
     model.train()
-    for step in meter.steps(0, max_steps):
+    for step in meter.steps(start_step, max_steps):
         batch = next(batches)
-        with accelerator.autocast():
-            loss = task.loss(model, batch)  # the same whole batch on every process: its own item count
-        loss.backward()
+        meter.extras.setdefault("first_batch_label_sum", batch["labels"].sum().item())  # which batch it read
+        # Normalize by the global batch's items: FSDP2 averages the groups' gradients (dp = 1: this batch's).
+        num_items = task.count_items(batch).to(device)
+        dist.all_reduce(num_items, group=dp_group)
+        with accelerator.autocast(), vocab_loss(args.shard_vocab):  # --shard_vocab: the loss on sharded logits
+            loss = task.loss(model, batch, num_items / dp)
+            loss.backward()
+        loss = plain(loss)
         norm = clip_grad_norm(model, args.max_grad_norm)  # sharded gradients' squares summed over the processes
         meter.extras.setdefault("first_step_grad_norm", norm)
         optimizer.step()
         scheduler.step()
-        meter.record(step, loss, batch if accelerator.is_main_process else [])  # the batch counts once
+        meter.record(step, loss, batch if mesh["tp"].get_local_rank() == 0 else [])  # each batch counts once
         guard.check(step)  # a non-finite loss: stop
         optimizer.zero_grad(set_to_none=True)
+        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
 
     with accelerator.autocast():
         metrics = task.evaluate(model, eval_dl, accelerator)
-    extras = {"tensor_parallel_size": world, "tp_plan": PLANS[family],
+    extras = {"tensor_parallel_size": tp, "data_parallel_size": dp, "mesh": mesh.mesh.tolist(),
+              "global_batch_size": args.per_device_train_batch_size * dp, "tp_plan": PLANS[family],
+              "first_batch_label_sum": gather_object([meter.extras.pop("first_batch_label_sum", None)]),
               "local_param_counts": gather_object([local_param_counts(model)])}  # per process: its shards + the rest
     results = collect_results(accelerator, args, RECIPE, task, meter, metrics, extras)
     if not args.no_save_model:
-        save_consolidated(accelerator, model, task, args.output_dir)
+        save_consolidated(accelerator, model, task, args.output_dir, tp)
     return write_results(accelerator, args, results)
 
 

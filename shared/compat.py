@@ -55,10 +55,11 @@ RECIPES: dict[str, Support] = {
                                  own_attention_mask=True),
     "data_model_parallel": Support(shardings=("ddp",), min_processes=4,
                                    instead="accelerate_configs/data_model_parallel.yaml", own_attention_mask=True),
-    # Tensor parallel over all processes (recipes/tensor_parallel.py): they train one model, each holding its shard.
+    # Tensor parallel (recipes/tensor_parallel.py): one TP group of all processes, or --tp_size N groups with FSDP2
+    # across them on a (dp, tp) mesh it builds itself; the launch is a plain multi-process one.
     "tensor_parallel": Support(shardings=("ddp",), min_processes=2,
                                instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
-                                       "the tensor-parallel degree)"),
+                                       "the tensor-parallel degree), or tp2_dp2.yaml with --tp_size 2 (TP x FSDP2)"),
     # Ulysses sequence parallel over all processes (recipes/sequence_parallel.py): each holds a chunk of every sequence.
     "sequence_parallel": Support(shardings=("ddp",), min_processes=2, splits_sequence=True,
                                  instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
@@ -113,6 +114,8 @@ class Run:
     spread_devices: bool = False  # one model over several devices (device_map="auto")
     merge_unsaved: bool = False  # merge an adapter that is not saved
     stages_per_replica: int = 0  # pipeline stages inside each data-parallel replica (0: no such mesh)
+    tensor_parallel_size: int = 0  # processes per tensor-parallel group, data parallel across them (0: all of them)
+    parallelism_config: str = ""  # Accelerate's ParallelismConfig from the launch config, e.g. "tp=2 cp=2" ("": none)
     packing: str = "none"  # causal LM: concat | per_document | none (shared/packing.py)
     task: str = ""  # text-classification | causal-lm | image-classification ("": not checked)
     seq_len: int = 0  # --max_seq_length (0: not checked)
@@ -214,6 +217,14 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda r: r.dora and not r.lora,
          lambda r: f"{r.flag('dora')} makes the LoRA adapters DoRA adapters, and {r.flag('lora')} trains none",
          lambda r: f"add {r.flag('lora')}, or drop {r.flag('dora')}"),
+    # Tried (benchmarks/compat.py, 2026-12-01): every ZeRO-3 cell of DoRA on a 4-bit base crashed in the first
+    # backward, with or without checkpointing and offload; LoRA on the same base trains there.
+    Rule(lambda r: r.dora and r.base_weights != "full" and r.sharding == "zero3",
+         lambda r: f"{r.flag('dora')} on a {r.base_weights} base under zero3: DeepSpeed's backward hooks meet a "
+                   "bitsandbytes weight they never partitioned (AttributeError: 'Params4bit' object has no attribute "
+                   "'ds_status')",
+         lambda r: f"use FSDP (accelerate_configs/fsdp.yaml) or ZeRO-1/2 for DoRA, or drop {r.flag('dora')} "
+                   "(LoRA on this base trains under ZeRO-3)"),
     Rule(lambda r: r.base_weights == "int8" and r.sharded_params,
          lambda r: f"{r.flag('base_weights')} under {r.sharding}: int8 bitsandbytes weights cannot be sharded",
          lambda r: f"use 4-bit weights with {r.flag('quant_storage')} bfloat16, or ZeRO-1/2 / DDP"),
@@ -234,6 +245,23 @@ RULES: tuple[Rule, ...] = (
                    f"{r.stages_per_replica} stages ({r.flag('stages_per_replica')} must be at least 2)",
          lambda r: f"launch a multiple of {r.stages_per_replica} processes (e.g. --num_processes "
                    f"{2 * max(r.stages_per_replica, 2)}), or use recipes/pipeline_parallel.py for one replica"),
+    Rule(lambda r: r.tensor_parallel_size > 0 and (r.tensor_parallel_size < 2
+                                                    or r.num_processes % r.tensor_parallel_size),
+         lambda r: f"{r.flag('tensor_parallel_size')} {r.tensor_parallel_size} with {r.num_processes} processes: a "
+                   "tensor-parallel group needs 2 or more processes, and the groups must divide the processes",
+         lambda r: f"pass a divisor of {r.num_processes} that is at least 2 (e.g. {r.flag('tensor_parallel_size')} "
+                   "2 with accelerate_configs/tp2_dp2.yaml), leave it unset for one group of all processes, or use "
+                   "recipes/fsdp.py for data parallel alone"),
+    # Measured 2026-12-01 (docs/tensor_parallel.md): Accelerate 1.15 refuses CPU distributed types when it validates
+    # a ParallelismConfig, and torch's context_parallel has no sharding strategy for sdpa's CPU flash kernel.
+    Rule(lambda r: bool(r.parallelism_config) and not r.on_accelerator,
+         lambda r: f"the launch config sets Accelerate's ParallelismConfig ({r.parallelism_config}) on a CPU-only "
+                   "machine: Accelerate refuses CPU distributed types when it validates it"
+                   + ("; and torch's context parallel has no sharding strategy for sdpa on CPU "
+                      "(aten._scaled_dot_product_flash_attention_for_cpu)" if "cp=" in r.parallelism_config else ""),
+         lambda r: "drop parallelism_config from the launch config and use recipes/tensor_parallel.py --tp_size N "
+                   "(the same TP x FSDP2 mesh, built with torch's init_device_mesh) with accelerate_configs/"
+                   "tp2_dp2.yaml; for long sequences on CPU, DeepSpeed's Ulysses sequence parallel"),
     Rule(lambda r: r.packing == "per_document" and RECIPES[r.recipe].own_attention_mask,
          lambda r: f"--packing per_document: recipes/{r.recipe}.py runs the model through its own pipeline stages, "
                    "whose plain causal mask would let packed documents attend to each other",
@@ -298,6 +326,15 @@ def check(run: Run) -> None:
 
 def _env_true(env: Mapping[str, str], name: str) -> bool:
     return env.get(name, "false").lower() in ("1", "true", "yes")
+
+
+def launched_parallelism(env: Mapping[str, str] = os.environ) -> str:
+    """Accelerate's ParallelismConfig sizes above 1 that the launch config set, e.g. "tp=2 cp=2" ("": none)."""
+    if not _env_true(env, "ACCELERATE_USE_PARALLELISM_CONFIG"):
+        return ""
+    sizes = {k: int(env.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1"))
+             for k in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
+    return " ".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "all sizes 1"
 
 
 def launched_sharding(env: Mapping[str, str] = os.environ) -> tuple[str, str, int]:

@@ -120,7 +120,8 @@ def resolve_launch(
     run = compat.Run(recipe=recipe, sharding=sharding, launched=launched, offload=offload, num_processes=world,
                      precision=args.mixed_precision, on_accelerator=not on_cpu,
                      accumulation=args.gradient_accumulation_steps, max_grad_norm=args.max_grad_norm,
-                     packing=args.packing if args.task == "causal-lm" else "none", **asks)
+                     packing=args.packing if args.task == "causal-lm" else "none",
+                     parallelism_config=compat.launched_parallelism(os.environ), **asks)
     compat.check(run)  # the rule table: refused here, with the reason and the fix
     check_environment(args, uses_deepspeed=sharding.startswith("zero"))
     check_output_dir(args.output_dir)

@@ -47,7 +47,7 @@ class ModelSpec:
     tensor_numels: list[int]  # every parameter tensor once (tied weights once)
     linear_weights: list[tuple[int, int, int]]  # (in, out, numel) of Linear / Conv1D weights bnb would quantize
     head_weight_numel: int  # the output head's weight (lm_head / classifier): kept in 16 bits when quantizing
-    lora_targets: list[tuple[int, int]]  # (in, out) of the modules PEFT's default LoRA config adapts
+    lora_targets: list[tuple[int, int]]  # (in, out) of the modules LoRA adapts: PEFT's "all-linear", as the recipes
     head_numel: int  # parameters of the head PEFT trains beside the adapters (modules_to_save)
     layer_params: int  # one transformer block
     block_linear_numel: int  # Linear / Conv1D weights inside the transformer blocks
@@ -90,7 +90,6 @@ KNOWN_CONFIGS: dict[str, tuple[str, dict]] = {
 }
 TASK_OF_MODEL_TYPE = {"gpt2": "causal-lm", "bert": "text-classification", "vit": "image-classification"}
 # PEFT's default LoRA target modules for these families (peft.utils.constants).
-LORA_TARGETS = {"bert": ("query", "value"), "gpt2": ("c_attn",), "vit": ("query", "value")}
 
 
 def builtin_vocab_size(task: str, preset: str) -> int:
@@ -165,7 +164,6 @@ def model_spec(config, task: str, name: str, disable_dropout: bool = False) -> M
     family = config.model_type if config.model_type in ("bert", "gpt2", "vit") else "generic"
     params = list(model.named_parameters())  # tied weights appear once
     linear, lora, head_weight, head, conv = [], [], 0, 0, 0
-    targets = LORA_TARGETS.get(family)
     block = transformer_layers(model)[0]
     block_ids = {id(m) for layer in transformer_layers(model) for m in layer.modules()}
     block_linear = 0
@@ -188,8 +186,7 @@ def model_spec(config, task: str, name: str, disable_dropout: bool = False) -> M
                 head += sum(p.numel() for p in module.parameters())
         else:
             linear.append((fan_in, fan_out, module.weight.numel()))
-            if targets is None or mname.split(".")[-1] in targets:
-                lora.append((fan_in, fan_out))
+            lora.append((fan_in, fan_out))  # the recipes' target_modules="all-linear": every Linear but the head
     layer_params = sum(p.numel() for p in block.parameters())
     cfg = config
     hidden_dropout = getattr(cfg, "hidden_dropout_prob", getattr(cfg, "resid_pdrop", 0.0)) or 0.0
@@ -284,9 +281,20 @@ class Activations:
     weight_copies: float  # 16-bit copies of the weights autocast keeps for backward (inside `saved`)
 
 
+def loss_saved_bytes(spec: ModelSpec, batch: int, seq: int, loss_chunk: int = 0) -> float:
+    """A causal LM's loss, from the final hidden states on (results.json's `loss_saved_bytes[_plain]`, fp32): what
+    autograd keeps of the head and the cross-entropy. Plain: the head's input (E h) and the fp32 log-softmax of every
+    shifted position, b (s-1) V. Chunked: each chunk's checkpoint keeps only its inputs, views of the hidden states
+    and of the padded targets (E int64); its logits are rebuilt in backward."""
+    e = batch * seq
+    if loss_chunk:
+        return e * spec.hidden * 4 + e * 8
+    return e * spec.hidden * 4 + batch * (seq - 1) * (spec.vocab * 4 + 8)
+
+
 def activation_bytes(spec: ModelSpec, batch: int, seq: int | None, precision: str = "fp32",
                      checkpointing: bool = False, kernels: str = "cuda", checkpoint_every: int = 1,
-                     selective: bool = False) -> Activations:
+                     selective: bool = False, loss_chunk: int = 0) -> Activations:
     """Bytes saved for backward in one forward, counted tensor by tensor from the HF implementations.
 
     E = batch*seq tokens, h hidden, I intermediate, a heads. Per block (element counts, dtype per kind below):
@@ -301,7 +309,8 @@ def activation_bytes(spec: ModelSpec, batch: int, seq: int | None, precision: st
       dropout after the attention output and after the MLP: 2 masks of E h (CPU: in the tensor's dtype;
         CUDA: 1 byte per element)
     Plus embeddings (token ids, embedding LayerNorm input, dropout mask), the final LayerNorm input, the head
-    input, and for a causal LM the fp32 log-softmax of the logits, batch*(seq-1)*vocab*4 bytes.
+    input, and for a causal LM the fp32 log-softmax of the logits, batch*(seq-1)*vocab*4 bytes; with the chunked
+    loss (`loss_chunk` tokens per chunk) the padded targets instead, and one chunk's logits alive at a time.
     bf16/fp16 autocast: the residual stream and LayerNorm stay fp32, Linear inputs and outputs are 16-bit (2 B),
     CPU's autocast runs attention in fp32, and a 16-bit copy of every Linear weight is kept for backward.
     Checkpointing (HF, non-reentrant): a block keeps only its input (E h residual); in backward one block at a
@@ -357,7 +366,11 @@ def activation_bytes(spec: ModelSpec, batch: int, seq: int | None, precision: st
     else:  # final LayerNorm input, and the head's input: the whole sequence for GPT-2, the [CLS] slice for ViT
         outer += e * h * 4 + 2 * e * 4 + (e * h * lin_b if spec.family != "vit" else (0 if half else e * h * 4))
     transient = 0.0
-    if spec.task == "causal-lm":
+    if spec.task == "causal-lm" and loss_chunk:
+        outer += e * 8  # the shifted, padded targets (int64) the chunks keep; no log-softmax
+        # alive while one chunk is rebuilt and differentiated: its logits, their fp32 copy, the log-softmax
+        transient = min(loss_chunk, e) * spec.vocab * ((lin_b + 4 + 4) if half else 4 * 2)
+    elif spec.task == "causal-lm":
         logits = b * s * spec.vocab
         outer += b * (s - 1) * spec.vocab * 4  # log-softmax output, fp32 (the loss upcasts)
         # alive at the loss besides: the logits (16-bit under autocast), their fp32 copy, the shifted contiguous copy
@@ -463,6 +476,8 @@ class Technique:
     checkpointing: bool = False
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes) | TORCHAO_STATES' keys | in_backward
     quant: str = "none"  # none | int8 | nf4: base weights quantized, LoRA adapters trained
+    dora: bool = False  # the LoRA adapters as DoRA: one trained magnitude per adapted output beside A and B
+    loss_chunk: int = 0  # causal LM: tokens per chunk of the chunked loss (shared/chunked_loss.py); 0: plain loss
     args: tuple[str, ...] = ()
     speed: float = 1.0  # relative step time (prior, see docs/planner.md), before the precision and checkpointing
     splits_sequence: bool = False  # each device holds seq/N of every sequence (sequence parallel)
@@ -487,6 +502,10 @@ TECHNIQUES: list[Technique] = [
     Technique("fsdp_offload", "fsdp", "fsdp_offload.yaml", strategy="fsdp", offload="all", speed=2.5),
     Technique("qlora_8bit", "qlora", None, precision="bf16", quant="int8", args=("--bits", "8"), speed=1.6),
     Technique("qlora_4bit", "qlora", None, precision="bf16", quant="nf4", args=("--bits", "4"), speed=1.2),
+    # DoRA's step: 1.33x LoRA's (benchmarks/dora.py, docs/dora.md)
+    Technique("qlora_4bit_dora", "qlora", None, precision="bf16", quant="nf4", dora=True,
+              args=("--bits", "4", "--use_dora"), speed=1.6),
+    Technique("chunked_loss", "chunked_loss", None, loss_chunk=1024),
     # the global batch is one device's (the devices split sequences): a prior of 1.1 for the 4 all-to-alls a block
     Technique("sequence_parallel", "sequence_parallel", None, splits_sequence=True, speed=1.1),
 ]
@@ -541,21 +560,24 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
     deepspeed = tech.strategy.startswith("zero")
     stage = int(tech.strategy[-1]) if deepspeed else (3 if tech.strategy == "fsdp" else 0)
     act = (sequence_parallel_activations(spec, batch, seq, n, precision, kernels) if tech.splits_sequence
-           else activation_bytes(spec, batch, seq, precision, tech.checkpointing, kernels))
+           else activation_bytes(spec, batch, seq, precision, tech.checkpointing, kernels, loss_chunk=tech.loss_chunk))
 
     if tech.quant != "none":  # QLoRA: quantized frozen base, 16-bit rest, fp32 LoRA adapters trained
         qbytes = sum(nf4_bytes(num) if tech.quant == "nf4" else int8_bytes(num, out)
                      for _, out, num in spec.linear_weights)
         other = psi - sum(num for _, _, num in spec.linear_weights)
         adapters = [lora_r * (i + o) for i, o in spec.lora_targets]
-        trainable = [*adapters, *([spec.head_numel] if spec.head_numel else [])]
+        magnitudes = [o for _, o in spec.lora_targets] if tech.dora else []  # DoRA: one per adapted output
+        trainable = [*adapters, *magnitudes, *([spec.head_numel] if spec.head_numel else [])]
         p.trainable = sum(trainable)
         p.weights = qbytes + 2 * other + 4 * p.trainable
         p.grads = 4 * p.trainable
         p.optimizer = adam_state_bytes(trainable, eight_bit=tech.optimizer == "adamw8bit")
         p.activations = act.saved - act.weight_copies + 2 * sum(num for _, _, num in spec.linear_weights) / 16
-        p.notes.append(f"LoRA r={lora_r} on {len(spec.lora_targets)} modules (PEFT's defaults); activations "
-                       "counted as full fine-tuning's (an upper bound)")
+        p.notes.append(f"{'DoRA' if tech.dora else 'LoRA'} r={lora_r} on {len(spec.lora_targets)} modules ("
+                       "all-linear); activations counted as full fine-tuning's (an upper bound"
+                       + ("; DoRA's weight norms, one dequantized weight at a time, are not counted)" if tech.dora
+                          else ")"))
     elif deepspeed:
         # DeepSpeed keeps 16-bit (or fp32) weights and gradients, and inside the optimizer an fp32 copy of its
         # partition beside m and v: K=12 in fp32 too (ZeRO clones the partition even when the model is fp32;
@@ -681,6 +703,7 @@ def compat_run(tech: Technique, precision: str, num_processes: int, task: str = 
                       offload={"none": "none", "nvme": "nvme"}.get(tech.offload, "cpu"),
                       num_processes=num_processes, precision="no" if precision == "fp32" else precision,
                       base_weights="full" if tech.quant == "none" else tech.quant, lora=tech.quant != "none",
+                      dora=tech.dora,
                       optimizer={"adamw8bit": "bnb_adamw_8bit", "in_backward": "adamw_in_backward"}.get(
                           tech.optimizer, tech.optimizer),
                       task=task, seq_len=seq_len, packing="concat" if task == "causal-lm" else "none")
@@ -718,6 +741,8 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
         for precision in ([tech.precision] if tech.precision else ["fp32", "bf16"]):
             if tech.strategy != "ddp" and args.num_gpus == 1 and tech.offload == "none":
                 continue  # sharding over one device divides nothing
+            if tech.loss_chunk and spec.task != "causal-lm":
+                continue  # no vocabulary logits to chunk
             if tech.splits_sequence and (args.num_gpus == 1 or spec.task != "causal-lm"):
                 continue  # nothing to split, or no causal-LM sequence to split
             pred = predict(spec, tech, precision, args.num_gpus, args.per_device_batch_size, args.seq_len,
@@ -921,3 +946,21 @@ __all__ = ["ModelSpec", "Technique", "TECHNIQUES", "Prediction", "predict", "act
            "recompute_options", "least_recompute", "adam_state_bytes",
            "zero_model_state_bytes", "nf4_bytes", "int8_bytes", "load_config", "model_spec", "plan", "command",
            "nearest_fits", "main"]
+
+
+# ---------------------------------------------------------------- tensor parallel, and tensor x data parallel
+
+
+def tensor_parallel_bytes(spec: ModelSpec, tp: int, dp: int = 1, shard_vocab: bool = False) -> dict[str, float]:
+    """Per-device fp32 parameter, gradient and AdamW-state bytes of recipes/tensor_parallel.py on a (dp, tp) mesh.
+
+    Megatron's split (shared/tensor_parallel.py PLANS): every block's Linear weights and its column-wise biases (q,
+    k, v and the MLP's up projection) hold 1/tp; the row-wise biases, norms, embeddings and head are whole on each
+    process of a TP group (--shard_vocab: the [vocab, hidden] embedding, tied to the head, 1/tp too). dp > 1: FSDP2
+    then splits everything by dp (evenly: its padding is under a row per tensor)."""
+    split = spec.block_linear_numel + spec.layers * (3 * spec.hidden + spec.intermediate)
+    if shard_vocab:
+        split += spec.vocab * spec.hidden
+    per_device = (split / tp + (spec.num_params - split)) / dp
+    return {"param_bytes": 4 * per_device, "grad_bytes": 4 * per_device,
+            "optimizer_state_bytes": 8 * per_device + 4 * spec.num_tensors}  # exp_avg, exp_avg_sq; a 4-byte step

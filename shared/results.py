@@ -41,18 +41,25 @@ def finish(accelerator, args: argparse.Namespace, recipe: str, task, model: torc
 def collect_results(accelerator, args: argparse.Namespace, recipe: str, task, meter, metrics: dict,
                     extras: dict | None = None) -> dict:
     """The results.json fields: the run, the meter's measurements (before saving adds to the memory peak), metrics."""
+    from .flops import run_flops
+
+    measured = meter.summary()
+    flops = run_flops(accelerator.unwrap_model(meter.model), args.max_seq_length,
+                      measured["train_tokens_per_second"], accelerator.num_processes, accelerator.device)
     results = {
         "recipe": recipe,
         "task": task.name,
         "model": task.model_id,
         "data": task.data_source,
         "num_processes": accelerator.num_processes,
+        "device": str(accelerator.device),
         "distributed_type": accelerator.distributed_type.value,
         "mixed_precision": accelerator.mixed_precision,
         "max_train_steps": args.max_train_steps,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "per_device_train_batch_size": args.per_device_train_batch_size,
-        **meter.summary(),
+        **measured,
+        **flops,  # model FLOPs per token and MFU (shared/flops.py); MFU only on a GPU in its peak table
         **metrics,
         **getattr(task, "stats", {}),  # what the training data holds (shared/datastats.py)
         **meter.extras,

@@ -9,7 +9,6 @@ every process holds it whole and computes it on the same batch, so its gradients
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .models import transformer_layers
@@ -72,6 +71,52 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def shard_vocab(model: nn.Module, mesh) -> None:
+    """A causal LM's vocabulary split over `mesh` (the "tp" sub-mesh), as torchtitan does: the embedding row-wise
+    (each process looks up the tokens of its vocabulary rows, the partial embeddings summed by one all-reduce), the
+    head column-wise with its logits left sharded over the vocabulary, for a loss under loss_parallel() that never
+    gathers them (vocab_loss). GPT-2 ties the head to the embedding: both are Shard(0) of the same [vocab, hidden]
+    matrix, so the head is re-tied to the embedding's DTensor. In eval mode the logits are gathered (full_tensor),
+    so the task's metrics see whole logits."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    parallelize_module(model, mesh, {
+        _module_name(model, model.get_input_embeddings()): RowwiseParallel(input_layouts=Replicate()),
+        _module_name(model, model.get_output_embeddings()): ColwiseParallel(output_layouts=Shard(-1),
+                                                                            use_local_output=False)})
+    if tied:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+
+    def gather_in_eval(module: nn.Module, _args, out):
+        if not module.training:
+            out.logits = out.logits.full_tensor()
+        return out
+
+    model.register_forward_hook(gather_in_eval)
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def vocab_loss(sharded: bool):
+    """loss_parallel() when the logits are sharded over the vocabulary (cross-entropy on each process's columns:
+    a max, a sum of exponentials and the target's logit, each all-reduced over "tp"); else nothing. The backward
+    must run inside it too."""
+    from contextlib import nullcontext
+
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if sharded else nullcontext()
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (the loss under loss_parallel) as a plain tensor, for the meter; a plain tensor as it is."""
+    return _full(t)
+
+
 def full_state_dict(model: nn.Module, world: int) -> dict[str, torch.Tensor]:
     """The whole model's state dict under its own names and layouts (a collective: every process calls it): each
     sharded parameter gathered with full_tensor(), GPT-2's qkv order and Conv1D layout restored."""
@@ -85,9 +130,10 @@ def full_state_dict(model: nn.Module, world: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_consolidated(accelerator, model: nn.Module, task, output_dir: str) -> None:
-    """One model.safetensors that from_pretrained loads in one process, written by the main process."""
-    state = full_state_dict(model, accelerator.num_processes)
+def save_consolidated(accelerator, model: nn.Module, task, output_dir: str, tp: int) -> None:
+    """One model.safetensors that from_pretrained loads in one process, written by the main process. `tp`: the
+    tensor-parallel degree the qkv rows were ordered for."""
+    state = full_state_dict(model, tp)
     if accelerator.is_main_process:
         fresh = type(model)(model.config)  # the architecture as published (Conv1D for GPT-2), then the weights
         fresh.load_state_dict(state, strict=True)
@@ -96,44 +142,47 @@ def save_consolidated(accelerator, model: nn.Module, task, output_dir: str) -> N
     accelerator.wait_for_everyone()
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, group=None) -> float:
-    """The global gradient norm, clipped to max_norm (0: only measured). A sharded gradient's squares are summed over
-    the processes; a replicated one (the same on every process) counts once. Returns the norm before clipping."""
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """The global gradient norm, clipped to max_norm (0: only measured); returns the norm before clipping.
+
+    Each gradient's sum of squares is a DTensor whose placements say where it lives: sharded over "tp" and/or "dp",
+    it is Partial there, and full_tensor() sums it over exactly those processes; replicated (a row-wise layer's
+    bias, a norm under TP alone), it counts once. So one rule serves a 1-D tp mesh and a 2-D (dp, tp) mesh."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    device = grads[0].device
-    sharded = torch.zeros((), dtype=torch.float64, device=device)
-    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
     for g in grads:
-        square = (g.to_local() if isinstance(g, DTensor) else g).detach().double().pow(2).sum()
-        if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements):
-            sharded += square
-        else:  # a plain tensor, or a DTensor replicated on every process (a row-wise layer's bias)
-            replicated += square
-    dist.all_reduce(sharded, group=group)
-    norm = (sharded + replicated).sqrt()
+        square = g.detach().double().pow(2).sum()
+        total += square.full_tensor() if isinstance(square, DTensor) else square
+    norm = total.sqrt()
     if max_norm:
         coef = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        for g in grads:
+            g.mul_(coef)
     return norm.item()
 
 
 def check_flags(args) -> None:
     """Refuse what this recipe does not implement yet, before anything loads, naming the way round it."""
+    if args.shard_vocab and args.task != "causal-lm":
+        raise SystemExit(f"--shard_vocab with --task {args.task}: only the causal LM has a vocabulary-sized head; "
+                         "BERT's and ViT's heads are classifiers of num_labels outputs, too small to split. Drop the "
+                         "flag, or use --task causal-lm.")
     if args.mixed_precision == "fp16":
         raise SystemExit("fp16 with recipes/tensor_parallel.py: its loss scaler is not wired to the sharded "
                          "gradients. Use --mixed_precision bf16 or no.")
-    if args.checkpointing_steps or args.resume_from_checkpoint:
-        raise SystemExit("--checkpointing_steps/--resume_from_checkpoint with recipes/tensor_parallel.py: its "
-                         "sharded optimizer state is not checkpointed yet. Drop the flag (the final model is still "
-                         "saved, consolidated), or use recipes/fsdp.py for resumable sharded training.")
+
+
+def mesh_shape(world: int, tp_size: int | None) -> tuple[int, int]:
+    """(data-parallel groups, processes per tensor-parallel group): --tp_size unset is one group of all processes."""
+    tp = tp_size or world
+    return world // tp, tp
 
 
 def local_param_counts(model: nn.Module) -> dict[str, int]:
-    """Parameters this process holds: its shards of the split weights, and the replicated rest (each counted once)."""
+    """Parameters this process holds (each counted once): "sharded", those split over "tp" (this process's shard of
+    a block matrix); "replicated", the rest, whole on every process of a TP group (under FSDP2, 1/dp of them)."""
     from torch.distributed.tensor import DTensor
 
     counts, seen = {"sharded": 0, "replicated": 0}, set()
@@ -141,6 +190,7 @@ def local_param_counts(model: nn.Module) -> dict[str, int]:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        split = isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
+        names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+        split = "tp" in names and p.placements[names.index("tp")].is_shard()
         counts["sharded" if split else "replicated"] += (p.to_local() if isinstance(p, DTensor) else p).numel()
     return counts

@@ -1,4 +1,5 @@
-"""kill -9 of a sharded run (ZeRO-3, ZeRO-2 + CPU offload, FSDP) after a checkpoint, then `latest`: no work lost.
+"""kill -9 of a sharded run (ZeRO-3, ZeRO-2 + CPU offload, FSDP, tensor parallel) after a checkpoint, then
+`latest`: no work lost.
 
 A file of its own so that pytest's second worker can take it beside tests/test_reliability.py.
 """
@@ -13,7 +14,7 @@ from tests.test_reliability import _kill_tree, _start, _wait_for_checkpoint
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,config", [("zero", "zero3.yaml"), ("zero", "zero2_offload.yaml"),
-                                           ("fsdp", "fsdp.yaml")])
+                                           ("fsdp", "fsdp.yaml"), ("tensor_parallel", "multi_cpu.yaml")])
 def test_sharded_run_killed_resumes_to_the_same_parameters(recipe, config, tmp_path):
     """kill -9 of every process of a sharded run after a checkpoint; `latest` resumes to the uninterrupted result."""
     args = ["--task", "causal-lm", "--max_train_steps", 16, "--checkpointing_steps", 4, "--max_train_samples", 128,

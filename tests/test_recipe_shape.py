@@ -42,7 +42,7 @@ DIFF_BUDGET = {
     "pruning": 148,
     "qlora": 162,
     "data_model_parallel": 165,
-    "tensor_parallel": 103,
+    "tensor_parallel": 140,
     "sequence_parallel": 62,  # 56 measured 2026-12-01
 }
 

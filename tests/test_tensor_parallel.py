@@ -53,6 +53,12 @@ def test_gpt2_trains_like_one_process_each_holding_half(tmp_path_factory):
     assert r["local_param_counts"] == [{"sharded": shard, "replicated": rest}] * 2
     assert r["param_bytes"] == [4 * (shard + rest)] * 2 == r["grad_bytes"]
     assert ref["param_bytes"] == [4 * (2 * shard + rest)]
+    from shared import plan
+
+    config, task, _ = plan.load_config(None, "tiny", "causal-lm", None, None)
+    predicted = plan.tensor_parallel_bytes(plan.model_spec(config, task, "tiny"), tp=2)
+    assert predicted["param_bytes"] == r["param_bytes"][0]  # TP alone: exact
+    assert all(abs(m - predicted["optimizer_state_bytes"]) <= 0.05 * m for m in r["optimizer_state_bytes"])
     print(f"param bytes per process {r['param_bytes']} vs {ref['param_bytes']} in 1 process; optimizer state "
           f"{r['optimizer_state_bytes']} vs {ref['optimizer_state_bytes']}")
 
@@ -88,14 +94,15 @@ def test_refuses_one_process(tmp_path):
 
 @pytest.mark.parametrize("flags, match", [
     (("--mixed_precision", "fp16"), "fp16 with recipes/tensor_parallel.py.*bf16 or no"),
-    (("--checkpointing_steps", "2"), "not checkpointed yet.*recipes/fsdp.py"),
+    (("--shard_vocab", True, "--task", "image-classification"), "--shard_vocab with --task image-classification.*"
+                                                                 "--task causal-lm"),
 ])
 def test_refuses_what_it_does_not_do_yet(tmp_path, flags, match):
     from argparse import Namespace
 
     from shared.tensor_parallel import check_flags
 
-    args = Namespace(mixed_precision="no", checkpointing_steps=None, resume_from_checkpoint=None)
+    args = Namespace(mixed_precision="no", shard_vocab=False, task="causal-lm")
     for flag, value in zip(flags[::2], flags[1::2], strict=True):
         setattr(args, flag.removeprefix("--"), value)
     with pytest.raises(SystemExit, match=match):
