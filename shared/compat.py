@@ -36,6 +36,7 @@ class Support:
     # FSDP2 / activation checkpointing; tests/test_compile.py. Others say why not in `no_compile`.
     compiles: bool = False
     no_compile: str = ""
+    splits_sequence: bool = False  # each process holds a chunk of every sequence (sequence parallel)
 
 
 _NO = {  # --torch_compile: why these recipes refuse it (the others: not run compiled here yet)
@@ -77,6 +78,10 @@ RECIPES: dict[str, Support] = {
     "tensor_parallel": Support(no_compile=_NO["tensor_parallel"], shardings=("ddp",), min_processes=2,
                                instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
                                        "the tensor-parallel degree), or tp2_dp2.yaml with --tp_size 2 (TP x FSDP2)"),
+    # Ulysses sequence parallel over all processes (recipes/sequence_parallel.py): each holds a chunk of every sequence.
+    "sequence_parallel": Support(shardings=("ddp",), min_processes=2, splits_sequence=True,
+                                 instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
+                                         "the sequence-parallel degree)"),
     "zero": Support(shardings=_ZERO, accumulates=True, instead="accelerate_configs/zero1.yaml, zero2.yaml, zero3.yaml",
                     no_compile=_NO["zero"]),
     "zero3_offload": Support(no_compile=_NO["zero3_offload"], shardings=_ZERO, accumulates=True, needs_offload=True,
@@ -132,6 +137,8 @@ class Run:
     parallelism_config: str = ""  # Accelerate's ParallelismConfig from the launch config, e.g. "tp=2 cp=2" ("": none)
     packing: str = "none"  # causal LM: concat | per_document | none (shared/packing.py)
     compile: str = "none"  # torch.compile through Accelerate's TorchDynamoPlugin: none | regional | full
+    task: str = ""  # text-classification | causal-lm | image-classification ("": not checked)
+    seq_len: int = 0  # --max_seq_length (0: not checked)
     flags: Mapping[str, str] = field(default_factory=dict)
 
     def flag(self, name: str) -> str:
@@ -285,6 +292,21 @@ RULES: tuple[Rule, ...] = (
          lambda r: f"--packing per_document: recipes/{r.recipe}.py runs the model through its own pipeline stages, "
                    "whose plain causal mask would let packed documents attend to each other",
          lambda r: "use --packing concat or --packing none with it"),
+    # Sequence parallel (recipes/sequence_parallel.py): each process runs its chunk of every causal-LM sequence.
+    Rule(lambda r: RECIPES[r.recipe].splits_sequence and r.task not in ("", "causal-lm"),
+         lambda r: f"--task {r.task}: recipes/{r.recipe}.py splits causal-LM sequences (its attention is causal "
+                   "over the gathered sequence, its loss next-token)",
+         lambda r: "pass --task causal-lm, or use recipes/data_parallel.py for this task"),
+    Rule(lambda r: RECIPES[r.recipe].splits_sequence and r.seq_len and r.seq_len % r.num_processes,
+         lambda r: f"--max_seq_length {r.seq_len} does not split into {r.num_processes} equal chunks (one per "
+                   "process)",
+         lambda r: f"pass a multiple of {r.num_processes}, e.g. --max_seq_length "
+                   f"{max(r.num_processes, r.seq_len - r.seq_len % r.num_processes)}"),
+    Rule(lambda r: RECIPES[r.recipe].splits_sequence and r.task == "causal-lm" and r.packing != "concat",
+         lambda r: f"--packing {r.packing}: recipes/{r.recipe}.py attends causally over whole packed blocks, and "
+                   + ("per-document masks are not exchanged between the chunks" if r.packing == "per_document" else
+                      "padded samples of varying length do not split into equal chunks"),
+         lambda r: "use --packing concat (the default)"),
     Rule(lambda r: r.merge_unsaved,
          lambda r: f"{r.flag('merge_unsaved')} merges the saved adapter, and --no_save_model skips saving it",
          lambda r: "drop one of them"),

@@ -440,6 +440,27 @@ def least_recompute(spec: ModelSpec, batch: int, seq: int | None, budget: float,
     return next((o for o in recompute_options(spec, batch, seq, precision, kernels) if o.activations <= budget), None)
 
 
+def sequence_parallel_activations(spec: ModelSpec, batch: int, seq: int, n: int, precision: str = "fp32",
+                                  kernels: str = "cuda") -> Activations:
+    """Per process under Ulysses sequence parallel over n processes (recipes/sequence_parallel.py).
+
+    Every per-token tensor holds the chunk's seq/n tokens; attention keeps q, k, v and out of the whole sequence for
+    heads/n, the same bytes as seq/n tokens of all heads (and the flash kernels' log-sum-exp, b a/n s). So: one
+    process's activations at seq/n, plus in each block the all-to-all's output, kept as the out-projection's input
+    (E/n h, Linear dtype), and the loss's log-softmax of every position of the chunk (the whole sequence's drops its
+    last). The math kernel (CPU, attention dropout) keeps b a/n s^2 per score tensor, not b a (s/n)^2.
+    """
+    chunk = seq // n
+    act = activation_bytes(spec, batch, chunk, precision, False, kernels)
+    lin_b = 2 if precision in ("bf16", "fp16") else 4
+    extra = spec.layers * batch * chunk * spec.hidden * lin_b + (batch * spec.vocab * 4 if spec.task == "causal-lm"
+                                                                  else 0)
+    if kernels == "cpu" and spec.attention_dropout > 0:
+        extra += spec.layers * 3 * batch * spec.heads * (seq * seq / n - chunk * chunk) * 4  # CPU attention: fp32
+    return Activations(saved=act.saved + extra, layer=act.layer, transient=act.transient,
+                       weight_copies=act.weight_copies)
+
+
 # ---------------------------------------------------------------- techniques: one line each
 
 @dataclass(frozen=True)
@@ -459,6 +480,7 @@ class Technique:
     loss_chunk: int = 0  # causal LM: tokens per chunk of the chunked loss (shared/chunked_loss.py); 0: plain loss
     args: tuple[str, ...] = ()
     speed: float = 1.0  # relative step time (prior, see docs/planner.md), before the precision and checkpointing
+    splits_sequence: bool = False  # each device holds seq/N of every sequence (sequence parallel)
 
 
 TECHNIQUES: list[Technique] = [
@@ -484,6 +506,8 @@ TECHNIQUES: list[Technique] = [
     Technique("qlora_4bit_dora", "qlora", None, precision="bf16", quant="nf4", dora=True,
               args=("--bits", "4", "--use_dora"), speed=1.6),
     Technique("chunked_loss", "chunked_loss", None, loss_chunk=1024),
+    # the global batch is one device's (the devices split sequences): a prior of 1.1 for the 4 all-to-alls a block
+    Technique("sequence_parallel", "sequence_parallel", None, splits_sequence=True, speed=1.1),
 ]
 # bf16 on tensor cores takes about half the time of fp32; checkpointing adds one forward (about a third).
 PRECISION_SPEED = {"fp32": 1.0, "bf16": 0.5}
@@ -535,7 +559,8 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
     half = precision in ("bf16", "fp16")
     deepspeed = tech.strategy.startswith("zero")
     stage = int(tech.strategy[-1]) if deepspeed else (3 if tech.strategy == "fsdp" else 0)
-    act = activation_bytes(spec, batch, seq, precision, tech.checkpointing, kernels, loss_chunk=tech.loss_chunk)
+    act = (sequence_parallel_activations(spec, batch, seq, n, precision, kernels) if tech.splits_sequence
+           else activation_bytes(spec, batch, seq, precision, tech.checkpointing, kernels, loss_chunk=tech.loss_chunk))
 
     if tech.quant != "none":  # QLoRA: quantized frozen base, 16-bit rest, fp32 LoRA adapters trained
         qbytes = sum(nf4_bytes(num) if tech.quant == "nf4" else int8_bytes(num, out)
@@ -612,6 +637,9 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
             p.buffers += min(4 * psi, 25 * MiB * 2)  # DDP's gradient buckets (25 MB)
     if tech.checkpointing:
         p.activations += act.layer  # one block recomputed at a time in backward
+    if tech.splits_sequence:
+        p.notes.append(f"the global batch is one device's {batch} sequences, each split over the {n} devices (the "
+                       "data-parallel rows train n times as many per step)")
     p.buffers += act.transient
     return p
 
@@ -666,8 +694,10 @@ def config_launch(config: str) -> tuple[int, int]:
     return int(conf.get("num_processes", 1)), int(conf.get("num_machines", 1))
 
 
-def compat_run(tech: Technique, precision: str, num_processes: int) -> compat.Run:
-    """The technique as shared/compat.py's rule table describes a run: what the recipe would check at start-up."""
+def compat_run(tech: Technique, precision: str, num_processes: int, task: str = "", seq_len: int = 0
+               ) -> compat.Run:
+    """The technique as shared/compat.py's rule table describes a run: what the recipe would check at start-up
+    (task and seq_len: for the rules that read them; the recipes' default packing, concat, for a causal LM)."""
     sharding = tech.strategy if tech.strategy != "ddp" else ("ddp" if num_processes > 1 else "none")
     return compat.Run(recipe=tech.recipe, sharding=sharding, launched=sharding,
                       offload={"none": "none", "nvme": "nvme"}.get(tech.offload, "cpu"),
@@ -675,7 +705,8 @@ def compat_run(tech: Technique, precision: str, num_processes: int) -> compat.Ru
                       base_weights="full" if tech.quant == "none" else tech.quant, lora=tech.quant != "none",
                       dora=tech.dora,
                       optimizer={"adamw8bit": "bnb_adamw_8bit", "in_backward": "adamw_in_backward"}.get(
-                          tech.optimizer, tech.optimizer))
+                          tech.optimizer, tech.optimizer),
+                      task=task, seq_len=seq_len, packing="concat" if task == "causal-lm" else "none")
 
 
 def command(tech: Technique, precision: str, args: argparse.Namespace, extra: tuple[str, ...] = ()) -> str:
@@ -712,12 +743,17 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
                 continue  # sharding over one device divides nothing
             if tech.loss_chunk and spec.task != "causal-lm":
                 continue  # no vocabulary logits to chunk
+            if tech.splits_sequence and (args.num_gpus == 1 or spec.task != "causal-lm"):
+                continue  # nothing to split, or no causal-LM sequence to split
             pred = predict(spec, tech, precision, args.num_gpus, args.per_device_batch_size, args.seq_len,
                            kernels=args.kernels, lora_r=args.lora_r)
             if tech.recipe == "activation_checkpointing":
                 _least_recompute_that_fits(spec, pred, usable, args)
             # The recipe's own start-up check: a command it would refuse is not a plan (e.g. fsdp.py in 1 process).
-            why = [f"cannot run: {r}" for r in compat.refusals(compat_run(tech, precision, args.num_gpus))]
+            run = compat_run(tech, precision, args.num_gpus, spec.task, args.seq_len)
+            why = [f"cannot run: {r}" for r in compat.refusals(run)]
+            if tech.splits_sequence and spec.heads % args.num_gpus:  # checked by the recipe once the model loads
+                why.append(f"cannot run: the model's {spec.heads} heads do not split over {args.num_gpus} devices")
             if pred.device_peak > usable:
                 big = max((("weights", pred.weights), ("gradients", pred.grads), ("optimizer state", pred.optimizer),
                            ("activations", pred.activations), ("buffers", pred.buffers)), key=lambda kv: kv[1])

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .compat import RECIPES
 from .meter import stepping_optimizer
 from .results import end_run
 
@@ -107,8 +108,9 @@ def report(accelerator, args, task, model, optimizer) -> None:
                       and accelerator.device.type == "cpu" and accelerator.scaler is not None else None),
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "per_device_train_batch_size": args.per_device_train_batch_size,
+        # (sequence parallel: the processes split each sequence, not the samples)
         "global_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
-        * accelerator.num_processes,
+        * (1 if recipe in RECIPES and RECIPES[recipe].splits_sequence else accelerator.num_processes),
         "max_train_steps": args.max_train_steps,
         "learning_rate": args.learning_rate,
         "optimizer": None if optimizer is None else type(stepping_optimizer(optimizer)).__name__,  # None: PTQ

@@ -43,6 +43,7 @@ DIFF_BUDGET = {
     "qlora": 162,
     "data_model_parallel": 165,
     "tensor_parallel": 140,
+    "sequence_parallel": 62,  # 56 measured 2026-12-01
 }
 
 # What every Accelerator(...) passes: the behaviour a user who copies the loop must not lose (shared/launch.py).

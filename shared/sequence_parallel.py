@@ -1,0 +1,99 @@
+"""Ulysses sequence parallelism for causal LMs: each process holds 1/N of every sequence, DeepSpeed's all-to-all
+exchanges it for 1/N of the heads around attention.
+
+Outside attention every op is per token, so a process runs the model on its own chunk of the sequence: its
+activations are 1/N of one process's. Attention needs the whole sequence: DeepSpeed's `DistributedAttention` turns
+this process's q, k, v ([batch, seq/N, heads, dim]) into the whole sequence for heads/N ([batch, seq, heads/N, dim])
+with one all-to-all each, runs torch's own sdpa (causal) on them, and sends the output back to [batch, seq/N, heads,
+dim]. The weights are replicated: their gradients are summed over the processes by DDP (accelerator.prepare).
+
+Two things the model would otherwise get wrong on a chunk (found here: each moved the loss, see
+docs/sequence_parallel.md): the labels are shifted over the whole sequence BEFORE it is split (shifted inside each
+chunk, the first token of every later chunk loses its target), and each chunk gets its global position ids (from 0
+in each chunk, the chunks after the first would read the wrong position embeddings).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ATTENTION = "ulysses_sdpa"  # the name this module registers in Transformers' AttentionInterface
+
+
+def _local_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, module: nn.Module,
+                **kwargs) -> torch.Tensor:
+    """Causal sdpa on the whole sequence for this process's heads: [b, s, h/N, d] in, [b, s, h/N, d] out."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # Transformers' layout, [b, h/N, s, d]
+    out, _ = sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)
+    return out  # sdpa_attention_forward returns [b, s, h/N, d]
+
+
+class _Local(nn.Module):
+    """DistributedAttention takes its local attention as a module."""
+
+    def forward(self, query, key, value, module, **kwargs):
+        return _local_sdpa(query, key, value, module, **kwargs)
+
+
+_DIST_ATTN: list[nn.Module] = []  # the one DistributedAttention, built by enable()
+
+
+def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+    """A Transformers attention function. Training: this process's chunk, exchanged by DeepSpeed's all-to-all.
+    Evaluation (model.eval()): each process runs whole sequences itself, as one process would (data-parallel eval).
+    The mask is not used: a packed block (--packing concat) is plain causal, which sdpa's is_causal applies to the
+    whole gathered sequence (the model's own mask would be of the chunk's length)."""
+    kwargs.pop("is_causal", None)
+    if not module.training:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, s/N, h, d]: DeepSpeed's batch-first layout
+    out = _DIST_ATTN[0](q, k, v, 0, None, module=module, **kwargs)  # batch_dim_idx 0, no rotary here
+    return out, None  # [b, s/N, h, d], as Transformers' attention functions return
+
+
+def enable(model: nn.Module, world: int) -> None:
+    """Swap the model's attention for the sequence-parallel one over all `world` processes (after the process group
+    exists). Refuses a model whose heads do not split over them."""
+    import deepspeed.comm as ds_dist
+    from deepspeed.sequence.layer import DistributedAttention
+    from transformers import AttentionInterface
+
+    cfg = model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    if cfg.num_attention_heads % world or heads % world:
+        raise SystemExit(f"The model's {cfg.num_attention_heads} attention heads ({heads} key/value heads) do not "
+                         f"split over {world} processes: Ulysses gives each process heads/N of them. Launch a divisor "
+                         "of the head count (--num_processes), or pick a model whose heads it divides.")
+    ds_dist.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
+    _DIST_ATTN[:] = [DistributedAttention(_Local(), torch.distributed.group.WORLD, scatter_idx=2, gather_idx=1)]
+    AttentionInterface.register(ATTENTION, ulysses_attention)
+    model.set_attn_implementation(ATTENTION)
+
+
+def shard(batch: dict, rank: int, world: int) -> dict:
+    """This process's chunk of a whole batch: input ids, their global position ids, and the labels shifted over the
+    whole sequence first (the target of position t is token t+1, also across the chunk boundary; the last position
+    has none). No attention mask: a packed block has no padding."""
+    ids, labels = batch["input_ids"], batch["labels"]
+    length = ids.shape[1]
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+    positions = torch.arange(length, device=ids.device).expand_as(ids)
+    part = slice(rank * length // world, (rank + 1) * length // world)
+    return {"input_ids": ids[:, part], "position_ids": positions[:, part], "shift_labels": shifted[:, part]}
+
+
+def loss(model: nn.Module, chunk: dict, num_items: torch.Tensor | float) -> torch.Tensor:
+    """This chunk's summed cross-entropy against its already shifted labels, divided by `num_items` (the global
+    batch's target tokens over the process count: DDP's mean over processes then gives sum / global count)."""
+    logits = model(input_ids=chunk["input_ids"], position_ids=chunk["position_ids"], use_cache=False).logits.float()
+    targets = chunk["shift_labels"]
+    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100,
+                            reduction="sum")
+    return total / num_items
