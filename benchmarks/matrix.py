@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
             row["measured"] = {k: res.get(k) for k in (
                 "num_processes", "distributed_type", "mixed_precision", "compute_dtype", "peak_memory_bytes",
                 "param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes_without_checkpointing",
-                "activation_bytes_with_checkpointing", "train_tokens_per_second", "train_samples_per_second",
+                "activation_bytes_with_checkpointing", "peak_grad_bytes", "train_tokens_per_second",
+                "train_samples_per_second",
                 "train_loss", "initial_loss", "eval_accuracy", "eval_loss", "eval_perplexity")}
             row["predicted"] = planner_prediction(run, task, preset, batch, res["num_processes"])
         rows.append(row)
