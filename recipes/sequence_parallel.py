@@ -90,8 +90,9 @@ def main(argv=None) -> dict:
             accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         scheduler.step()
-        # The whole batch's loss (each process holds a share of its sum); the batch counts once.
-        meter.record(step, accelerator.reduce(loss.detach(), "mean"), batch if accelerator.is_main_process else [])
+        # Each process's loss is its share of the whole batch's: the meter's one logging collective averages them into
+        # that loss (no collective of its own per step). The batch counts once.
+        meter.record(step, loss, batch if accelerator.is_main_process else [])
         guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
         maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
