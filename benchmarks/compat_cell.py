@@ -7,11 +7,21 @@ DIR/refused_rank<r>.txt, any other exception to DIR/broken_rank<r>.txt; both are
 it would without this probe.
 """
 
+import json
 import os
 import runpy
 import sys
 import traceback
 from pathlib import Path
+
+
+def refusal_message(e: SystemExit) -> str:
+    """The refusal's words. Under a launcher the recipe's @entrypoint (shared/launch.py) writes them to torch
+    elastic's error file and exits with code 1."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not isinstance(e.code, str) and error_file and Path(error_file).exists():
+        return json.loads(Path(error_file).read_text()).get("message", str(e.code))
+    return str(e.code)
 
 
 def main() -> None:
@@ -24,7 +34,7 @@ def main() -> None:
     except SystemExit as e:
         if e.code not in (None, 0):
             out.mkdir(parents=True, exist_ok=True)
-            (out / f"refused_rank{rank}.txt").write_text(str(e.code))
+            (out / f"refused_rank{rank}.txt").write_text(refusal_message(e))
         raise
     except BaseException:
         out.mkdir(parents=True, exist_ok=True)

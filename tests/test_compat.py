@@ -20,8 +20,8 @@ def test_committed_matrix_has_no_broken_cell_and_every_refusal_names_a_fix():
     rows = report["rows"]
     assert not report["quick"] and len(rows) >= 144
     assert {r["sharding"] for r in rows} == {"ddp", "zero1", "zero2", "zero3", "fsdp"}
-    assert {r["weights"] for r in rows} == {"full", "8bit-optim", "lora", "int8+lora", "nf4+lora", "ao-8bit-optim",
-                                           "ao-4bit-optim", "ao-fp8-optim"}
+    assert {r["weights"] for r in rows} == {"full", "8bit-optim", "lora", "int8+lora", "nf4+lora", "nf4+dora",
+                                           "chunked-loss", "ao-8bit-optim", "ao-4bit-optim", "ao-fp8-optim"}
     assert {r["precision"] for r in rows} == {"fp32", "bf16", "fp16"}
     broken = [f"{r['name']}: {r['detail']}" for r in rows if r["status"] == "broken"]
     assert not broken, broken
