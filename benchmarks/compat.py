@@ -1,9 +1,10 @@
 """The compatibility matrix: every combination of sharding x offload x weights (8-bit optimizer, LoRA, int8 / NF4
-base) x activation checkpointing x precision, each run for real in 2 processes through recipes/combined.py; and
-torchao's 8-bit, 4-bit and FP8 AdamW, through recipes/optim_low_bit.py, under every sharding + offload row.
+base, DoRA on NF4, the chunked loss) x activation checkpointing x precision, each run for real in 2 processes
+through recipes/combined.py; and torchao's 8-bit, 4-bit and FP8 AdamW, through recipes/optim_low_bit.py, under every
+sharding + offload row.
 
-    python benchmarks/compat.py              # 183 combinations, ~60 min on 2 CPU cores (see default_cells)
-    python benchmarks/compat.py --all        # all 468
+    python benchmarks/compat.py              # 229 combinations, ~90 min on 2 CPU cores (see default_cells)
+    python benchmarks/compat.py --all        # all 612
     python benchmarks/compat.py --quick      # one cell per outcome, for the tests
     python benchmarks/compat.py --only zero3 --only lora
 
@@ -100,7 +101,7 @@ class Cell:
 
 
 def all_cells() -> list[Cell]:
-    """The whole product (--all): 468 runs, about 2.5 h on 2 CPU cores."""
+    """The whole product (--all): 612 runs, about 3.5 h on 2 CPU cores."""
     cells = []
     for sharding, (_, offloads) in SHARDING.items():
         for offload, weights, ckpt, precision in itertools.product(offloads, WEIGHTS, (False, True), PRECISIONS):
@@ -311,7 +312,7 @@ def plot(rows: list[dict], cols: list[tuple], path: Path) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="One cell per outcome (the tests run it).")
-    ap.add_argument("--all", action="store_true", help="Every combination (468 runs).")
+    ap.add_argument("--all", action="store_true", help="Every combination (612 runs).")
     ap.add_argument("--only", action="append", default=[],
                     help="Keep cells whose name contains this (repeatable: all must match).")
     ap.add_argument("--output_dir", default=str(ROOT / "docs" / "results"))
