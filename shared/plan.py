@@ -484,6 +484,7 @@ class Technique:
     args: tuple[str, ...] = ()
     speed: float = 1.0  # relative step time (prior, see docs/planner.md), before the precision and checkpointing
     splits_sequence: bool = False  # each device holds seq/N of every sequence (sequence parallel)
+    tp: int = 0  # tensor-parallel group size (recipes/tensor_parallel.py): -1 all devices, N with FSDP2 across groups
 
 
 TECHNIQUES: list[Technique] = [
@@ -511,6 +512,10 @@ TECHNIQUES: list[Technique] = [
     Technique("chunked_loss", "chunked_loss", None, loss_chunk=1024),
     # the global batch is one device's (the devices split sequences): a prior of 1.1 for the 4 all-to-alls a block
     Technique("sequence_parallel", "sequence_parallel", None, splits_sequence=True, speed=1.1),
+    # Tensor parallel trains fp32 here (bf16 not yet run with TP); one group of all devices, or groups of 2 x FSDP2.
+    Technique("tensor_parallel", "tensor_parallel", None, precision="fp32", tp=-1, speed=1.2),
+    Technique("tensor_parallel_fsdp", "tensor_parallel", "tp2_dp2.yaml", precision="fp32", tp=2,
+              args=("--tp_size", "2"), speed=1.2),
 ]
 # bf16 on tensor cores takes about half the time of fp32; checkpointing adds one forward (about a third).
 PRECISION_SPEED = {"fp32": 1.0, "bf16": 0.5}
@@ -552,6 +557,24 @@ class Prediction:
         return t.speed * PRECISION_SPEED[self.precision] * recompute
 
 
+# ---------------------------------------------------------------- tensor parallel, and tensor x data parallel
+
+
+def tensor_parallel_bytes(spec: ModelSpec, tp: int, dp: int = 1, shard_vocab: bool = False) -> dict[str, float]:
+    """Per-device fp32 parameter, gradient and AdamW-state bytes of recipes/tensor_parallel.py on a (dp, tp) mesh.
+
+    Megatron's split (shared/tensor_parallel.py PLANS): every block's Linear weights and its column-wise biases (q,
+    k, v and the MLP's up projection) hold 1/tp; the row-wise biases, norms, embeddings and head are whole on each
+    process of a TP group (--shard_vocab: the [vocab, hidden] embedding, tied to the head, 1/tp too). dp > 1: FSDP2
+    then splits everything by dp (evenly: its padding is under a row per tensor)."""
+    split = spec.block_linear_numel + spec.layers * (3 * spec.hidden + spec.intermediate)
+    if shard_vocab:
+        split += spec.vocab * spec.hidden
+    per_device = (split / tp + (spec.num_params - split)) / dp
+    return {"param_bytes": 4 * per_device, "grad_bytes": 4 * per_device,
+            "optimizer_state_bytes": 8 * per_device + 4 * spec.num_tensors}  # exp_avg, exp_avg_sq; a 4-byte step
+
+
 def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, batch: int, seq: int | None,
             kernels: str = "cuda", lora_r: int = 8) -> Prediction:
     """Bytes per device (and per process on the host / NVMe) of one training step with this technique."""
@@ -581,6 +604,16 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
                        "all-linear); activations counted as full fine-tuning's (an upper bound"
                        + ("; DoRA's weight norms, one dequantized weight at a time, are not counted)" if tech.dora
                           else ")"))
+    elif tech.tp:
+        # Megatron's split: the block matrices 1/tp, the rest whole in a group; FSDP2 then divides all by dp.
+        tp = n if tech.tp < 0 else tech.tp
+        states = tensor_parallel_bytes(spec, tp, max(1, n // tp))
+        p.trainable = psi
+        p.weights, p.grads, p.optimizer = (states[k] for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes"))
+        p.activations = act.saved  # counted whole: an upper bound (the heads and the MLP's inner width are 1/tp)
+        p.notes.append(f"tensor parallel {tp} x data parallel {max(1, n // tp)}; activations counted unsplit")
+        if n // tp > 1:
+            p.buffers += 2 * 4 * spec.layer_params / tp  # FSDP2 gathers a block's TP shard, and prefetches the next
     elif deepspeed:
         # DeepSpeed keeps 16-bit (or fp32) weights and gradients, and inside the optimizer an fp32 copy of its
         # partition beside m and v: K=12 in fp32 too (ZeRO clones the partition even when the model is fp32;
@@ -711,7 +744,8 @@ def compat_run(tech: Technique, precision: str, num_processes: int, task: str = 
                       dora=tech.dora,
                       optimizer={"adamw8bit": "bnb_adamw_8bit", "in_backward": "adamw_in_backward"}.get(
                           tech.optimizer, tech.optimizer),
-                      task=task, seq_len=seq_len, packing="concat" if task == "causal-lm" else "none")
+                      task=task, seq_len=seq_len, packing="concat" if task == "causal-lm" else "none",
+                      tensor_parallel_size=max(0, tech.tp))
 
 
 def command(tech: Technique, precision: str, args: argparse.Namespace, extra: tuple[str, ...] = ()) -> str:
@@ -750,6 +784,8 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
                 continue  # no vocabulary logits to chunk
             if tech.splits_sequence and (args.num_gpus == 1 or spec.task != "causal-lm"):
                 continue  # nothing to split, or no causal-LM sequence to split
+            if tech.tp and args.num_gpus < (2 if tech.tp < 0 else 2 * tech.tp):
+                continue  # no group to split over; groups of 2 x data parallel needs 4 devices
             pred = predict(spec, tech, precision, args.num_gpus, args.per_device_batch_size, args.seq_len,
                            kernels=args.kernels, lora_r=args.lora_r)
             if tech.recipe == "activation_checkpointing":
@@ -759,6 +795,10 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
             why = [f"cannot run: {r}" for r in compat.refusals(run)]
             if tech.splits_sequence and spec.heads % args.num_gpus:  # checked by the recipe once the model loads
                 why.append(f"cannot run: the model's {spec.heads} heads do not split over {args.num_gpus} devices")
+            tp = args.num_gpus if tech.tp < 0 else tech.tp
+            if tech.tp and (spec.heads % tp or spec.intermediate % tp):  # the recipe's own check, once it loads
+                why.append(f"cannot run: the model's {spec.heads} heads and MLP width {spec.intermediate} do not "
+                           f"split over a tensor-parallel group of {tp}")
             if pred.device_peak > usable:
                 big = max((("weights", pred.weights), ("gradients", pred.grads), ("optimizer state", pred.optimizer),
                            ("activations", pred.activations), ("buffers", pred.buffers)), key=lambda kv: kv[1])
@@ -951,21 +991,3 @@ __all__ = ["ModelSpec", "Technique", "TECHNIQUES", "Prediction", "predict", "act
            "recompute_options", "least_recompute", "adam_state_bytes",
            "zero_model_state_bytes", "nf4_bytes", "int8_bytes", "load_config", "model_spec", "plan", "command",
            "nearest_fits", "main"]
-
-
-# ---------------------------------------------------------------- tensor parallel, and tensor x data parallel
-
-
-def tensor_parallel_bytes(spec: ModelSpec, tp: int, dp: int = 1, shard_vocab: bool = False) -> dict[str, float]:
-    """Per-device fp32 parameter, gradient and AdamW-state bytes of recipes/tensor_parallel.py on a (dp, tp) mesh.
-
-    Megatron's split (shared/tensor_parallel.py PLANS): every block's Linear weights and its column-wise biases (q,
-    k, v and the MLP's up projection) hold 1/tp; the row-wise biases, norms, embeddings and head are whole on each
-    process of a TP group (--shard_vocab: the [vocab, hidden] embedding, tied to the head, 1/tp too). dp > 1: FSDP2
-    then splits everything by dp (evenly: its padding is under a row per tensor)."""
-    split = spec.block_linear_numel + spec.layers * (3 * spec.hidden + spec.intermediate)
-    if shard_vocab:
-        split += spec.vocab * spec.hidden
-    per_device = (split / tp + (spec.num_params - split)) / dp
-    return {"param_bytes": 4 * per_device, "grad_bytes": 4 * per_device,
-            "optimizer_state_bytes": 8 * per_device + 4 * spec.num_tensors}  # exp_avg, exp_avg_sq; a 4-byte step

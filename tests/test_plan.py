@@ -480,3 +480,22 @@ def test_chunked_loss_and_dora_bytes_match_the_runs(tmp_path):
     lora = plan.predict(spec, rows["qlora_4bit"], "bf16", 1, batch, seq, kernels="cpu")
     assert predicted.trainable == r["trainable_params"] > lora.trainable
     assert predicted.optimizer == pytest.approx(r["optimizer_state_bytes"][0], rel=0.05)
+
+
+def test_tensor_parallel_rows_are_the_measured_formula():
+    """The planner ranks recipes/tensor_parallel.py (one TP group; TP 2 x FSDP2) with tensor_parallel_bytes, the
+    formula tests/test_tensor_parallel_2d.py holds to the live local tensors of real runs."""
+    spec = _spec("causal-lm", "base")
+    rows = {t.name: t for t in plan.TECHNIQUES}
+    one = plan.predict(spec, rows["tensor_parallel"], "fp32", 4, 8, 512)
+    two = plan.predict(spec, rows["tensor_parallel_fsdp"], "fp32", 8, 8, 512)
+    assert one.weights == plan.tensor_parallel_bytes(spec, 4)["param_bytes"]
+    assert two.optimizer == plan.tensor_parallel_bytes(spec, 2, 4)["optimizer_state_bytes"]
+    base = plan.predict(spec, rows["baseline"], "fp32", 1, 8, 512)
+    assert base.weights / 4 < one.weights < base.weights / 2  # the embeddings stay whole in a group
+    names = {pred.technique.name for pred, _ in plan.plan(spec, plan.build_parser().parse_args(
+        ["--model_preset", "base", "--task", "causal-lm", "--num_gpus", "8", "--gpus_per_node", "8"]))}
+    assert {"tensor_parallel", "tensor_parallel_fsdp"} <= names
+    names = {pred.technique.name for pred, _ in plan.plan(spec, plan.build_parser().parse_args(
+        ["--model_preset", "base", "--task", "causal-lm", "--num_gpus", "1", "--gpus_per_node", "1"]))}
+    assert not names & {"tensor_parallel", "tensor_parallel_fsdp"}
