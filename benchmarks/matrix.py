@@ -347,7 +347,10 @@ def plot(report: dict, path: Path) -> None:
 
     rows = [r for r in report["rows"] if r["status"] == "ok"]
     presets = sorted({r["preset"] for r in rows}, key=["tiny", "base"].index)
-    fig, axes = plt.subplots(len(presets), 2, figsize=(14, 4.2 * len(presets)), squeeze=False)
+    # One panel per row, full width: a preset can have 30+ runs, whose labels need the room.
+    most = max(sum(r["preset"] == p for r in rows) for p in presets)
+    fig, axes = plt.subplots(2 * len(presets), 1, figsize=(max(12, 0.42 * most), 4.6 * 2 * len(presets)),
+                             squeeze=False)
     for i, preset in enumerate(presets):
         rs = [r for r in rows if r["preset"] == preset]
         labels = [f"{r['recipe']}{' ' + ' '.join(r['args'][1::2]) if r['args'] else ''}"
@@ -357,7 +360,7 @@ def plot(report: dict, path: Path) -> None:
         mib = 2**20
         parts = [("params", "param_bytes", "#4c72b0"), ("grads", "grad_bytes", "#55a868"),
                  ("optimizer", "optimizer_state_bytes", "#c44e52")]
-        ax = axes[i][0]
+        ax = axes[2 * i][0]
         bottom = [0.0] * len(rs)
         for label, key, color in parts:
             vals = [r["measured"][key][0] / mib for r in rs]
@@ -375,7 +378,7 @@ def plot(report: dict, path: Path) -> None:
         ax.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=7)
         ax.set_ylim(0, max(peak + [p / mib for p in pred if p]) * 1.45)  # headroom: the legend sits above the bars
         ax.legend(fontsize=7, loc="upper center", ncol=3, framealpha=0.9)
-        ax = axes[i][1]
+        ax = axes[2 * i + 1][0]
         states = [r.get("model_states_vs_baseline") or 0 for r in rs]
         ax.bar(x, states, color="#8172b2", width=0.6)
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
@@ -384,7 +387,7 @@ def plot(report: dict, path: Path) -> None:
         ax.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=7)
     fig.suptitle(f"Technique matrix on {report['machine']['cores']} CPU cores "
                  f"({report['setup']['steps']} steps per run)", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))  # room for the suptitle
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
