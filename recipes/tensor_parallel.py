@@ -125,7 +125,8 @@ def main(argv=None) -> dict:
     model.train()
     for step in meter.steps(start_step, max_steps):
         batch = next(batches)
-        meter.extras.setdefault("first_batch_label_sum", batch["labels"].sum().item())  # which batch it read
+        if step == start_step:  # which batch it read (once: .item() waits for the device)
+            meter.extras["first_batch_label_sum"] = batch["labels"].sum().item()
         # Normalize by the global batch's items: FSDP2 averages the groups' gradients (dp = 1: this batch's).
         num_items = task.count_items(batch).to(device)
         dist.all_reduce(num_items, group=dp_group)
@@ -134,7 +135,8 @@ def main(argv=None) -> dict:
             loss.backward()
         loss = plain(loss)
         norm = clip_grad_norm(model, args.max_grad_norm)  # sharded gradients' squares summed over the processes
-        meter.extras.setdefault("first_step_grad_norm", norm)
+        if step == start_step:
+            meter.extras["first_step_grad_norm"] = norm.item()
         optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch if mesh["tp"].get_local_rank() == 0 else [])  # each batch counts once

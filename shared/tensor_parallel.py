@@ -142,25 +142,39 @@ def save_consolidated(accelerator, model: nn.Module, task, output_dir: str, tp: 
     accelerator.wait_for_everyone()
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """The global gradient norm, clipped to max_norm (0: only measured); returns the norm before clipping.
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """The global gradient norm, clipped to max_norm (0: only measured); returns the norm before clipping, a tensor
+    (read it only when needed: .item() waits for the device).
 
     Each gradient's sum of squares is a DTensor whose placements say where it lives: sharded over "tp" and/or "dp",
     it is Partial there, and full_tensor() sums it over exactly those processes; replicated (a row-wise layer's
-    bias, a norm under TP alone), it counts once. So one rule serves a 1-D tp mesh and a 2-D (dp, tp) mesh."""
+    bias, a norm under TP alone), it counts once. So one rule serves a 1-D tp mesh and a 2-D (dp, tp) mesh. The
+    squares are first added up locally per (mesh, placements): one all-reduce per such group, not per tensor."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+    groups: dict[tuple, DTensor] = {}
     for g in grads:
         square = g.detach().double().pow(2).sum()
-        total += square.full_tensor() if isinstance(square, DTensor) else square
+        if isinstance(square, DTensor):
+            key = (square.device_mesh, square.placements)
+            groups[key] = square if key not in groups else groups[key] + square
+        else:
+            total += square
+    for square in groups.values():
+        total += square.full_tensor()
     norm = total.sqrt()
     if max_norm:
-        coef = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
-        for g in grads:
-            g.mul_(coef)
-    return norm.item()
+        # A tensor factor, not a Python float: float() would wait for the device at every step. DTensor gradients
+        # take the plain 0-dim factor as replicated inside implicit_replication (they refuse it outside).
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        with implicit_replication():
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
+    return norm
 
 
 def check_flags(args) -> None:
