@@ -48,10 +48,22 @@ def _technique(recipe: str, accelerator, args: argparse.Namespace) -> Technique 
         candidates = [t for t in candidates if (t.offload == "all") == (param.get("device", "none") != "none")]
 
     def has_flags(t: Technique) -> bool:
-        pairs = zip(t.args[::2], t.args[1::2], strict=True)
-        return all(str(getattr(args, flag.lstrip("-"), value)) == value for flag, value in pairs)
+        words, i = list(t.args), 0
+        while i < len(words):
+            name = words[i].lstrip("-")
+            if i + 1 < len(words) and not words[i + 1].startswith("--"):  # a flag and its value
+                if str(getattr(args, name, words[i + 1])) != words[i + 1]:
+                    return False
+                i += 2
+            else:  # a switch (store_true), e.g. --use_dora
+                if not getattr(args, name, False):
+                    return False
+                i += 1
+        return True
 
-    return next((t for t in candidates if has_flags(t)), candidates[0] if candidates else None)
+    # The most specific row whose flags the run has: tensor_parallel_fsdp (--tp_size 2) before tensor_parallel.
+    ranked = sorted(candidates, key=lambda t: -len(t.args))
+    return next((t for t in ranked if has_flags(t)), candidates[0] if candidates else None)
 
 
 def _memory_estimate(recipe: str, accelerator, args, model) -> dict:
