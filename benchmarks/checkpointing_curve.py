@@ -7,7 +7,8 @@ policy, and none, on the base presets of the three families (BERT-base, GPT-2 12
 Each setting runs in a fresh interpreter of its own (the allocator's retention from one setting must not raise the
 next one's peak; a forked child hung in torch's thread pool), wrapped by recipes/activation_checkpointing.py's own
 enable_checkpointing. Per setting:
-  kept bytes   what forward leaves alive for backward (shared/meter.py forward_kept_bytes: autograd's saved tensors,
+  kept bytes   what forward leaves alive for backward (shared/core/meter.py forward_kept_bytes: autograd's saved
+               tensors,
                checkpoint inputs and selective checkpointing's cached op outputs), exact and repeatable
   peak         peak RSS over the steps minus RSS before the first: activations, gradients, allocator slack
   time ratio   best step time with the setting / without checkpointing, timed alternately in the same process so
@@ -35,9 +36,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shared import plan
-from shared.meter import current_memory_bytes, forward_kept_bytes, peak_memory_bytes, reset_peak_memory
-from shared.models import AUTO_CLASSES, preset_config, transformer_layers
+from shared.core.meter import current_memory_bytes, forward_kept_bytes, peak_memory_bytes, reset_peak_memory
+from shared.core.models import AUTO_CLASSES, preset_config, transformer_layers
+from shared.tools import plan
 
 RESULTS = ROOT / "docs" / "results"
 DOC = ROOT / "docs" / "checkpointing.md"
@@ -69,7 +70,7 @@ def build(task: str, batch: int, seq: int) -> tuple[torch.nn.Module, dict, torch
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         labels = ids if task == "causal-lm" else torch.zeros(batch, dtype=torch.long)
         if task == "causal-lm":
-            inputs["use_cache"] = False  # as shared/tasks.py: a recomputed block would append to a KV cache again
+            inputs["use_cache"] = False  # as shared/core/tasks.py: a recomputed block would append to a KV cache again
     return model, inputs, labels
 
 
@@ -151,7 +152,7 @@ def run(args: argparse.Namespace, out: Path) -> dict:
 
 
 def predicted_kept(row: dict) -> float:
-    """The planner's saved-for-backward bytes for this setting (shared/plan.py activation_bytes)."""
+    """The planner's saved-for-backward bytes for this setting (shared/tools/plan.py activation_bytes)."""
     config, task, _ = plan.load_config(None, "base", row["task"], None, None)
     spec = plan.model_spec(config, task, "base", disable_dropout=True)
     every = row["every"] or 1

@@ -12,7 +12,8 @@ Each cell ends as one of
   works    trained 2 steps, and did what was asked: 2 processes, the sharding and offload asked for, the precision
            asked for seen on the activations, a finite loss, LoRA / quantized layers present when asked;
   refused  stopped before training with a message naming the problem and the fix (the recipes' own checks);
-  broken   crashed, hung, or trained something other than what was asked (then the rule belongs in shared/compat.py).
+  broken   crashed, hung, or trained something other than what was asked (then the rule
+           belongs in shared/core/rules.py).
 Writes docs/results/compat.md, compat.json and compat.png (or --output_dir).
 """
 
@@ -34,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shared.launch import free_port  # noqa: E402
+from shared.core.launch import free_port  # noqa: E402
 
 # sharding -> (accelerate config, launch flags per offload); offloads not listed do not exist for that sharding.
 SHARDING = {

@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def refusal_message(e: SystemExit) -> str:
-    """The refusal's words. Under a launcher the recipe's @entrypoint (shared/launch.py) writes them to torch
+    """The refusal's words. Under a launcher the recipe's @entrypoint (shared/core/launch.py) writes them to torch
     elastic's error file and exits with code 1."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not isinstance(e.code, str) and error_file and Path(error_file).exists():

@@ -25,7 +25,7 @@ def model_dir(root: Path, hidden: int) -> Path:
     """A randomly initialised GPT-2 of this width, saved as a pretrained checkpoint (no download)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from shared import data
+    from shared.core import data
 
     tokenizer = data.build_word_tokenizer(data.builtin_split("causal-lm", "train")["text"], "causal-lm")
     config = GPT2Config(n_embd=hidden, n_layer=2, n_head=hidden // 64, n_positions=128, vocab_size=len(tokenizer),

@@ -34,7 +34,7 @@ STEPS = 5
 
 def one_process_recipes() -> list[str]:
     """Every recipe the rule table lets run as `accelerate launch recipes/<r>.py` in one process, no flags."""
-    from shared.compat import RECIPES, Run, refusals
+    from shared.core.rules import RECIPES, Run, refusals
 
     return sorted(r for r, support in RECIPES.items() if not refusals(
         Run(recipe=r, sharding="none", launched="none", precision=support.precision or "no")))
@@ -123,7 +123,8 @@ def write_report(rows: list[dict], mfu: list[dict], path: Path, machine: str) ->
         loss = f"{r['train_loss']:.4f}" if r.get("train_loss") is not None else ""
         lines.append(f"| {r['name']} | {'✓' if r['ok'] else '✗'} | {r['compute_dtype'] or ''} | {loss} | "
                      f"{r['wall_s']} | {r['problem'] or ''} |")
-    lines += ["", "## MFU (shared/flops.py: 6 x weights + 12 x layers x hidden x seq FLOPs per token, dense bf16 peak)",
+    lines += ["", "## MFU (shared/core/flops.py: 6 x weights + 12 x layers x hidden x seq FLOPs per token, "
+              "dense bf16 peak)",
               "", "| run | tokens/s | TFLOP/s | MFU | compile s | step s |", "|---|---|---|---|---|---|"]
     for m in mfu:
         mfu_cell = f"{m['mfu']:.1%}" if m.get("mfu") is not None else "n/a"

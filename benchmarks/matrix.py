@@ -4,7 +4,7 @@
     python benchmarks/matrix.py                  # more steps, more recipes and configs
 
 Writes docs/results/matrix.md, matrix.json and matrix.png (or --output_dir). Each run's measured bytes are printed
-beside what the planner (shared/plan.py) predicts for it. Adding a recipe or a config is one line in RUNS.
+beside what the planner (shared/tools/plan.py) predicts for it. Adding a recipe or a config is one line in RUNS.
 
 No speed column: each cell is one short run, and a ratio of two such runs swung from 0.07x to 1.20x between tiny
 runs (one timed step). Speed ratios are published only by the benchmarks that time enough steps, as medians of
@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Imported once here, before any fork: what every recipe imports (no tensor is computed in this process), so each
-# forked run shares these pages (FORKED_RUNTIME_BYTES, shared/plan.py). The core imports transformers' model classes
-# and DTensor only where they are used (a fast --help), so they are named here.
+# forked run shares these pages (FORKED_RUNTIME_BYTES, shared/tools/plan.py). The core imports transformers' model
+# classes and DTensor only where they are used (a fast --help), so they are named here.
 import accelerate  # noqa: F401
 import datasets  # noqa: F401
 import torch
@@ -52,9 +52,16 @@ from transformers import (  # noqa: F401
     ViTConfig,
 )
 
-from shared import args as _args  # noqa: F401
-from shared import checkpoint, data, launch, meter, models, optim, results, tasks  # noqa: F401
-from shared.plan import CPU_RUNTIME_BYTES, FORKED_RUNTIME_BYTES, Technique, load_config, model_spec, predict_cpu_run
+from shared.core import args as _args  # noqa: F401
+from shared.core import checkpoint, data, launch, meter, models, optim, results, tasks  # noqa: F401
+from shared.tools.plan import (
+    CPU_RUNTIME_BYTES,
+    FORKED_RUNTIME_BYTES,
+    Technique,
+    load_config,
+    model_spec,
+    predict_cpu_run,
+)
 
 # ---------------------------------------------------------------- the runs: one line each
 
@@ -200,7 +207,7 @@ def execute(run: Run, argv: list[str], out: Path, threads: int) -> tuple[dict | 
 
 
 def planner_prediction(run: Run, task: str, preset: str, batch: int, num_processes: int) -> dict | None:
-    """What shared/plan.py predicts for this run on this CPU, per process."""
+    """What shared/tools/plan.py predicts for this run on this CPU, per process."""
     if run.technique is None:
         return None
     config, task, _ = load_config(None, preset, task, None, None)
@@ -301,7 +308,8 @@ def write_outputs(report: dict, out_dir: Path) -> None:
              f"Each run: {report['setup']['steps']} optimizer steps, built-in data, batch per preset "
              f"{report['setup']['batch']}, sequence {SEQ['text-classification']} (text) / {SEQ['causal-lm']} "
              "(causal LM) / 17 or 197 patches (ViT tiny / base). Memory per process in MiB; measured (pred = "
-             "shared/plan.py). Peak = peak RSS of the process, with the ~450 MiB Python/torch runtime of a process "
+             "shared/tools/plan.py). Peak = peak RSS of the process, with the ~450 MiB Python/torch runtime of a "
+             "process "
              "forked from the matrix (a fresh `accelerate launch` process has 85 MiB more, see docs/planner.md). "
              "Model states (params + grads + optimizer, per process) and loss relative to the baseline recipe of the "
              "same task and preset, same run. No speed column: one short run per cell is not a stable ratio (see "

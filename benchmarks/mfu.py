@@ -1,5 +1,5 @@
 """Model FLOPs utilization of a recipe run: its steady-state throughput times the model's training FLOPs per token
-(shared/flops.py, PaLM / torchtitan convention), over the device's dense bf16 peak. Every results.json carries
+(shared/core/flops.py, PaLM / torchtitan convention), over the device's dense bf16 peak. Every results.json carries
 these figures (`model_flops_per_token`, `achieved_flops_per_device`, `mfu`); this script makes the runs comparable.
 
     python benchmarks/mfu.py --task causal-lm --mixed_precision bf16                        # GPT-2 124M, 1024 tokens
@@ -91,10 +91,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     r = json.loads((work / "results.json").read_text())
 
-    from shared.flops import peak_flops
+    from shared.core.flops import peak_flops
 
     seq = args.seq if args.task != "image-classification" else None
-    # The run's own figures (shared/flops.py on its live model: its real vocabulary, LoRA layers and all).
+    # The run's own figures (shared/core/flops.py on its live model: its real vocabulary, LoRA layers and all).
     per_token, achieved = r["model_flops_per_token"], r["achieved_flops_per_device"]
     device = device_name()
     peak = peak_flops(device)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from shared.launch import free_port  # noqa: E402
+from shared.core.launch import free_port  # noqa: E402
 
 SYSTEMS = ("recipe", "plain", "trainer")
 
@@ -37,8 +37,8 @@ def _task(task: str, batch: int, seq: int):
     """The recipes' own model, data and collator, built as recipes/baseline.py builds them (1 process)."""
     from accelerate import Accelerator
 
-    from shared.args import parse_args
-    from shared.tasks import load_task
+    from shared.core.args import parse_args
+    from shared.core.tasks import load_task
 
     args = parse_args(["--task", task, "--model_preset", "base", "--per_device_train_batch_size", str(batch),
                        "--max_seq_length", str(seq), "--disable_dropout", "--report_to", "none"])
@@ -56,7 +56,7 @@ def run_plain(task: str, batch: int, seq: int, steps: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from shared.optim import optimizer_and_scheduler
+    from shared.core.optim import optimizer_and_scheduler
 
     rank, world = _world()
     if world > 1:

@@ -1,15 +1,15 @@
-"""Ulysses sequence parallelism (shared/sequence_parallel.py) against the whole sequence in one process, per length.
+"""Ulysses sequence parallelism (shared/techniques/ulysses.py) against the whole sequence in one process, per length.
 
     accelerate launch --config_file accelerate_configs/multi_cpu.yaml benchmarks/sequence_parallel.py
     ... benchmarks/sequence_parallel.py --seq_lens 256 1024 --output out.json   # the test's cheaper points
 
 Each of the 2 processes builds the same model (GPT-2, and Llama with rotary positions and 2 key/value heads: width
 128, 4 heads, 2 blocks, vocabulary 1024, 2048 positions, no dropout) and the same batch, then, at each length:
-- the reference: the whole sequence on this process alone, plain sdpa, the loss as shared/tasks.py computes it;
+- the reference: the whole sequence on this process alone, plain sdpa, the loss as shared/core/tasks.py computes it;
 - sequence parallel: this process's chunk (shard()), DeepSpeed's all-to-all around attention, gradients summed over
   the processes with torch.distributed.all_reduce (what DDP does in the recipe);
 - the two ways a chunked run goes wrong: labels shifted inside each chunk, and position ids restarting per chunk.
-Saved-for-backward bytes of one forward (shared.meter.saved_activation_bytes: parameters excluded) for both.
+Saved-for-backward bytes of one forward (shared.core.meter.saved_activation_bytes: parameters excluded) for both.
 Writes --output (JSON) from the main process; prints the table of docs/sequence_parallel.md.
 """
 
@@ -29,12 +29,12 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shared import sequence_parallel as sp  # noqa: E402
-from shared.meter import saved_activation_bytes  # noqa: E402
+from shared.core.meter import saved_activation_bytes  # noqa: E402
+from shared.techniques import ulysses as sp  # noqa: E402
 
 
 def reference_loss(model, ids: torch.Tensor) -> torch.Tensor:
-    """shared/tasks.py's causal-LM loss on the whole sequence: summed over targets / target count."""
+    """shared/core/tasks.py's causal-LM loss on the whole sequence: summed over targets / target count."""
     logits = model(input_ids=ids, use_cache=False).logits.float()
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="sum") / (
         ids[:, 1:].numel())

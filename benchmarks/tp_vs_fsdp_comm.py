@@ -84,8 +84,8 @@ def main() -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from shared.models import transformer_layers
-    from shared.tensor_parallel import PLANS, prepare_blocks
+    from shared.core.models import transformer_layers
+    from shared.techniques.tensor_parallel import PLANS, prepare_blocks
 
     b, h, n = args.batch, args.hidden, args.layers
     seqs = [int(x) for x in args.seqs.split(",")]

@@ -9,7 +9,7 @@ the cheap ops (LayerNorm, GELU, dropout, adds), with torch's create_selective_ch
 memory / time curve over K: docs/checkpointing.md. Before training, one step on the same batch with and without
 checkpointing measures what it saves and costs: the bytes autograd keeps for backward, the bytes forward leaves
 alive for backward, the time ratio, and the largest gradient difference (0 up to float rounding); the probe is
-shared/meter.py's checkpointing_probe.
+shared/core/meter.py's checkpointing_probe.
     accelerate launch recipes/activation_checkpointing.py --task causal-lm --max_seq_length 128
     accelerate launch recipes/activation_checkpointing.py --checkpoint_every 2 --checkpointing_policy selective
 """
@@ -26,17 +26,17 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import COUNT, parse_args
-from shared.checkpoint import maybe_save_checkpoint, resume
-from shared.data import endless_batches
-from shared.guard import DivergenceGuard
-from shared.launch import entrypoint, resolve_launch, start_run
-from shared.meter import Meter, checkpointing_probe
-from shared.models import transformer_layers
-from shared.optim import optimizer_and_scheduler, total_steps
-from shared.preflight import stop_if_preflight
-from shared.results import finish
-from shared.tasks import load_task
+from shared.core.args import COUNT, parse_args
+from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.data import endless_batches
+from shared.core.guard import DivergenceGuard
+from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.meter import Meter, checkpointing_probe
+from shared.core.models import transformer_layers
+from shared.core.optim import optimizer_and_scheduler, total_steps
+from shared.core.preflight import stop_if_preflight
+from shared.core.results import finish
+from shared.core.tasks import load_task
 
 RECIPE = "activation_checkpointing"
 
@@ -113,7 +113,7 @@ def main(argv=None) -> dict:
         raise SystemExit("--checkpointing_impl hf checkpoints every block whole: --checkpoint_every > 1 and "
                          "--checkpointing_policy selective need --checkpointing_impl torch (or leave it unset).")
     args.checkpointing_impl = args.checkpointing_impl or ("torch" if per_op_or_layer else "hf")
-    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
     start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(args, accelerator)
 
-    # What checkpointing saves and costs, measured on one batch without and with it (shared/meter.py).
+    # What checkpointing saves and costs, measured on one batch without and with it (shared/core/meter.py).
     impl, every, policy = args.checkpointing_impl, args.checkpoint_every, args.checkpointing_policy
     probe = {} if args.no_probe else checkpointing_probe(task, accelerator.device, lambda m: enable_checkpointing(
         m, impl, every, policy), lambda m: disable_checkpointing(m, impl))
@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     model.train()
     for step in meter.steps(start_step, max_steps):

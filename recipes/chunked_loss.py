@@ -17,19 +17,19 @@ from accelerate.utils import DeepSpeedPlugin, GradientAccumulationPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import COUNT, parse_args
-from shared.checkpoint import maybe_save_checkpoint, resume
-from shared.chunked_loss import ChunkedLoss, check_args
-from shared.compat import sharding_of
-from shared.data import endless_batches
-from shared.deepspeed_setup import add_deepspeed_args, launched_deepspeed_config
-from shared.guard import DivergenceGuard
-from shared.launch import entrypoint, resolve_launch, start_run
-from shared.meter import Meter
-from shared.optim import optimizer_and_scheduler, total_steps
-from shared.preflight import stop_if_preflight
-from shared.results import finish
-from shared.tasks import load_task
+from shared.core.args import COUNT, parse_args
+from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.data import endless_batches
+from shared.core.guard import DivergenceGuard
+from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.meter import Meter
+from shared.core.optim import optimizer_and_scheduler, total_steps
+from shared.core.preflight import stop_if_preflight
+from shared.core.results import finish
+from shared.core.rules import sharding_of
+from shared.core.tasks import load_task
+from shared.techniques.chunked_loss import ChunkedLoss, check_args
+from shared.techniques.deepspeed_setup import add_deepspeed_args, launched_deepspeed_config
 
 RECIPE = "chunked_loss"
 
@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
     ds_config = launched_deepspeed_config(args)  # the launch config chose DeepSpeed: its stage and offload, checked
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=ds_config["zero_optimization"]["stage"] == 3
                              ) if ds_config else None
-    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE, deepspeed_config=ds_config)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
     chunked_loss = ChunkedLoss(args.loss_chunk_size, max_tokens=args.per_device_train_batch_size * args.max_seq_length)
     measured, batches = chunked_loss.measure_first_batch(accelerator, model, batches)  # plain vs chunked bytes
 

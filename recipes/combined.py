@@ -19,12 +19,20 @@ from accelerate.utils import DeepSpeedPlugin, GradientAccumulationPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import COUNT, parse_args
-from shared.checkpoint import maybe_save_checkpoint, resume
-from shared.chunked_loss import ChunkedLoss, check_args
-from shared.compat import offload_of, sharding_of
-from shared.data import endless_batches
-from shared.deepspeed_setup import (
+from shared.core.args import COUNT, parse_args
+from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.data import endless_batches
+from shared.core.guard import DivergenceGuard
+from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.meter import Meter
+from shared.core.models import AUTO_CLASSES, HEAD_NAMES
+from shared.core.optim import optimizer_and_scheduler, total_steps
+from shared.core.preflight import stop_if_preflight
+from shared.core.results import finish
+from shared.core.rules import offload_of, sharding_of
+from shared.core.tasks import load_task
+from shared.techniques.chunked_loss import ChunkedLoss, check_args
+from shared.techniques.deepspeed_setup import (
     add_deepspeed_args,
     count_model_states_at_first_step,
     deepspeed_summary,
@@ -32,15 +40,7 @@ from shared.deepspeed_setup import (
     launched_deepspeed_config,
     schedule_the_optimizer_that_steps,
 )
-from shared.guard import DivergenceGuard
-from shared.launch import entrypoint, resolve_launch, start_run
-from shared.meter import Meter
-from shared.models import AUTO_CLASSES, HEAD_NAMES
-from shared.optim import optimizer_and_scheduler, total_steps
-from shared.preflight import stop_if_preflight
-from shared.quant import COMPUTE_DTYPES, head_names, no_cpu_4bit_repacking, quantized_weight_bytes
-from shared.results import finish
-from shared.tasks import load_task
+from shared.techniques.quant import COMPUTE_DTYPES, head_names, no_cpu_4bit_repacking, quantized_weight_bytes
 
 RECIPE = "combined"
 
@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
         stage3 = ds_config["zero_optimization"]["stage"] == 3
         # zero.Init builds a full-precision model already partitioned; a quantized one is loaded whole, then split.
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=stage3 and args.load_in == "full")
-    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(
         args, RECIPE, deepspeed_config=ds_config, base_weights={"full": "full", "8bit": "int8", "4bit": "nf4"}[
             args.load_in], quant_storage=args.bnb_4bit_quant_storage, lora=args.lora, dora=args.use_dora,
@@ -123,7 +123,7 @@ def main(argv=None) -> dict:
             # ZeRO-3 / FSDP place the shards themselves; otherwise each process holds its copy on its device.
             device_map=None if sharded else {"": accelerator.device}, dtype=storage if sharded else None,
             trust_remote_code=args.trust_remote_code)
-        no_cpu_4bit_repacking(task.model)  # its in-place CPU repacking breaks training (shared/quant.py)
+        no_cpu_4bit_repacking(task.model)  # its in-place CPU repacking breaks training (shared/techniques/quant.py)
         task.model = prepare_model_for_kbit_training(
             task.model, use_gradient_checkpointing=args.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
     if plugin is not None:
         meter.extras.update(deepspeed_summary(accelerator, model))
         count_model_states_at_first_step(meter, model, optimizer)  # ZeRO frees gradients inside its step

@@ -25,15 +25,18 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import COUNT, parse_args
-from shared.checkpoint import checkpoint_per_process, maybe_save_checkpoint, resume
-from shared.data import endless_batches
-from shared.guard import DivergenceGuard
-from shared.launch import entrypoint, resolve_launch, start_run
-from shared.meter import Meter
-from shared.models import transformer_layers
-from shared.optim import optimizer_and_scheduler, total_steps
-from shared.pipeline_stages import (
+from shared.core.args import COUNT, parse_args
+from shared.core.checkpoint import checkpoint_per_process, maybe_save_checkpoint, resume
+from shared.core.data import endless_batches
+from shared.core.guard import DivergenceGuard
+from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.meter import Meter
+from shared.core.models import transformer_layers
+from shared.core.optim import optimizer_and_scheduler, total_steps
+from shared.core.preflight import stop_if_preflight
+from shared.core.results import collect_results, write_results
+from shared.core.tasks import load_task
+from shared.techniques.pipeline_stages import (
     Stage,
     clip_global_grad_norm,
     evaluate,
@@ -44,9 +47,6 @@ from shared.pipeline_stages import (
     summed_loss,
     tied_weight,
 )
-from shared.preflight import stop_if_preflight
-from shared.results import collect_results, write_results
-from shared.tasks import load_task
 
 RECIPE = "data_model_parallel"
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}  # classes of torch.distributed.pipelining
@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
     if args.per_device_train_batch_size % args.n_microbatches or args.gradient_accumulation_steps != 1:
         raise SystemExit("--per_device_train_batch_size must be a multiple of --n_microbatches, and "
                          "--gradient_accumulation_steps 1 (the micro-batches already accumulate).")
-    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE, stages_per_replica=args.pipeline_stages,
                             flags={"stages_per_replica": "--pipeline_stages"})
     accelerator = Accelerator(
@@ -122,7 +122,7 @@ def main(argv=None) -> dict:
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, args, task, stage, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, stage, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     stage.train()
     for step in meter.steps(start_step, max_steps):

@@ -19,16 +19,16 @@ from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import COUNT, parse_args
-from shared.checkpoint import maybe_save_checkpoint, resume
-from shared.data import endless_batches
-from shared.guard import DivergenceGuard
-from shared.launch import entrypoint, resolve_launch, start_run
-from shared.meter import Meter
-from shared.optim import optimizer_and_scheduler, total_steps
-from shared.preflight import stop_if_preflight
-from shared.results import finish
-from shared.tasks import load_task
+from shared.core.args import COUNT, parse_args
+from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.data import endless_batches
+from shared.core.guard import DivergenceGuard
+from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.meter import Meter
+from shared.core.optim import optimizer_and_scheduler, total_steps
+from shared.core.preflight import stop_if_preflight
+from shared.core.results import finish
+from shared.core.tasks import load_task
 
 RECIPE = "data_parallel"
 
@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
             raise SystemExit(f"--compare_to {args.compare_to!r} is a {reference.get('num_processes')}-process "
                              f"{reference.get('recipe')} run; pass the results.json of a 1-process {RECIPE} run.")
     ddp = DistributedDataParallelKwargs(bucket_cap_mb=args.bucket_cap_mb)  # how DDP averages the gradients
-    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     model.train()
     for step in meter.steps(start_step, max_steps):

@@ -1,9 +1,9 @@
 """FP8 training: the inner Linears run their matmuls in float8 (torchao's Float8Linear), through Accelerate.
 
 Accelerate's mixed_precision="fp8" with the torchao backend (AORecipeKwargs) swaps every nn.Linear for a Float8Linear
-in prepare(), except the first and last Linear and any whose dims are not multiples of 16 (shared/fp8.py names the
-rule; results.json lists what was converted and what was kept). Each converted matmul casts its inputs to e4m3
-(gradients e5m2) with one dynamic scale per tensor and calls torch._scaled_mm; everything else runs in bf16 autocast.
+in prepare(), except the first and last Linear and any whose dims are not multiples of 16
+(shared/techniques/fp8.py names the rule; results.json lists what was converted and what was kept). Each
+converted matmul casts its inputs to e4m3 (gradients e5m2) with one dynamic scale per tensor and calls torch._scaled_mm; everything else runs in bf16 autocast.
 It pays only on a GPU with FP8 tensor cores (H100, Ada) and large matmuls: at small sizes the casts cost more than
 the faster matmul saves (docs/fp8.md). On a CPU it runs, for checking, at no gain.
     accelerate launch recipes/fp8.py                                       # tiny BERT on built-in data
@@ -19,17 +19,17 @@ from accelerate.utils import AORecipeKwargs, GradientAccumulationPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
-from shared.checkpoint import maybe_save_checkpoint, resume
-from shared.data import endless_batches
-from shared.fp8 import check_fp8_resolved, fp8_summary
-from shared.guard import DivergenceGuard
-from shared.launch import entrypoint, resolve_launch, start_run
-from shared.meter import Meter
-from shared.optim import optimizer_and_scheduler, total_steps
-from shared.preflight import stop_if_preflight
-from shared.results import finish
-from shared.tasks import load_task
+from shared.core.args import parse_args
+from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.data import endless_batches
+from shared.core.guard import DivergenceGuard
+from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.meter import Meter
+from shared.core.optim import optimizer_and_scheduler, total_steps
+from shared.core.preflight import stop_if_preflight
+from shared.core.results import finish
+from shared.core.tasks import load_task
+from shared.techniques.fp8 import check_fp8_resolved, fp8_summary
 
 RECIPE = "fp8"
 
@@ -41,7 +41,7 @@ def add_args(p):
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
-    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     # The precision is this recipe's own: fp8 (args.py's --mixed_precision offers no fp8; other values refused).
     launch = resolve_launch(args, RECIPE, default_mixed_precision="fp8")
     accelerator = Accelerator(
@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     model.train()
     for step in meter.steps(start_step, max_steps):

@@ -7,7 +7,7 @@ consolidated safetensors model at the end.
     accelerate launch --config_file accelerate_configs/fsdp_offload.yaml recipes/fsdp.py --task causal-lm
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/fsdp.py --checkpointing_steps 50
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/fsdp.py --resume_from_checkpoint latest
-On a CPU-only machine the same configs run over gloo (shared/fsdp_cpu.py makes Accelerate really shard there).
+On a CPU-only machine the same configs run over gloo (shared/core/fsdp_cpu.py makes Accelerate really shard there).
 """
 
 import sys
@@ -19,17 +19,17 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
-from shared.checkpoint import maybe_save_checkpoint, resume
-from shared.data import endless_batches
-from shared.guard import DivergenceGuard
-from shared.launch import entrypoint, resolve_launch, start_run
-from shared.meter import Meter
-from shared.models import transformer_layers
-from shared.optim import optimizer_and_scheduler, total_steps
-from shared.preflight import stop_if_preflight
-from shared.results import finish
-from shared.tasks import load_task
+from shared.core.args import parse_args
+from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.data import endless_batches
+from shared.core.guard import DivergenceGuard
+from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.meter import Meter
+from shared.core.models import transformer_layers
+from shared.core.optim import optimizer_and_scheduler, total_steps
+from shared.core.preflight import stop_if_preflight
+from shared.core.results import finish
+from shared.core.tasks import load_task
 
 RECIPE = "fsdp"
 
@@ -50,7 +50,7 @@ def main(argv=None) -> dict:
         state_dict_type="SHARDED_STATE_DICT",       # checkpoints: each process writes and reads only its shard
         cpu_offload=args.cpu_offload,               # None: fsdp_offload_params from the accelerate config
     )
-    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE, fsdp_plugin=fsdp_plugin)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     model.train()
     for step in meter.steps(start_step, max_steps):

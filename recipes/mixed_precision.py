@@ -4,7 +4,7 @@ fp16 has a narrow exponent range, so small gradients underflow: the loss is mult
 gradients are unscaled before the step, and a step whose gradients overflowed (inf/nan) is skipped and the scale
 halved; after `growth_interval` clean steps it doubles. bf16 has fp32's range and needs no scaler.
 The recipe reports the steps skipped and the final scale. On a CPU-only machine fp16 runs for real (torch's CPU
-autocast and GradScaler, see shared/launch.py), never silently fp32.
+autocast and GradScaler, see shared/core/launch.py), never silently fp32.
     accelerate launch recipes/mixed_precision.py                              # fp16 (the default here)
     accelerate launch recipes/mixed_precision.py --mixed_precision bf16
     accelerate launch --config_file accelerate_configs/bf16.yaml recipes/mixed_precision.py --task causal-lm
@@ -18,16 +18,16 @@ from accelerate.utils import GradientAccumulationPlugin, GradScalerKwargs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import COUNT, number, parse_args
-from shared.checkpoint import maybe_save_checkpoint, resume
-from shared.data import endless_batches
-from shared.guard import DivergenceGuard
-from shared.launch import entrypoint, resolve_launch, start_run
-from shared.meter import Meter
-from shared.optim import optimizer_and_scheduler, total_steps
-from shared.preflight import stop_if_preflight
-from shared.results import finish
-from shared.tasks import load_task
+from shared.core.args import COUNT, number, parse_args
+from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.data import endless_batches
+from shared.core.guard import DivergenceGuard
+from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.meter import Meter
+from shared.core.optim import optimizer_and_scheduler, total_steps
+from shared.core.preflight import stop_if_preflight
+from shared.core.results import finish
+from shared.core.tasks import load_task
 
 RECIPE = "mixed_precision"
 
@@ -44,7 +44,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # fp16 unless the flag or the accelerate config says otherwise; the scaler settings apply to fp16 only.
     scaler = GradScalerKwargs(init_scale=args.init_loss_scale, growth_interval=args.loss_scale_growth_interval)
-    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE, default_mixed_precision="fp16")
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
@@ -71,7 +71,7 @@ def main(argv=None) -> dict:
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     skipped = 0
     model.train()

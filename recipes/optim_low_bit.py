@@ -21,17 +21,17 @@ from accelerate.utils import GradientAccumulationPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
-from shared.checkpoint import maybe_save_checkpoint, resume
-from shared.compat import offload_of, sharding_of
-from shared.data import endless_batches
-from shared.guard import DivergenceGuard
-from shared.launch import entrypoint, resolve_launch, start_run
-from shared.meter import Meter, quantized_state_counts
-from shared.optim import compile_each_shard_apart, optimizer_and_scheduler, total_steps
-from shared.preflight import stop_if_preflight
-from shared.results import finish
-from shared.tasks import load_task
+from shared.core.args import parse_args
+from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.data import endless_batches
+from shared.core.guard import DivergenceGuard
+from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.meter import Meter, quantized_state_counts
+from shared.core.optim import compile_each_shard_apart, optimizer_and_scheduler, total_steps
+from shared.core.preflight import stop_if_preflight
+from shared.core.results import finish
+from shared.core.rules import offload_of, sharding_of
+from shared.core.tasks import load_task
 
 RECIPE = "optim_low_bit"
 OPTIMIZERS = {"adamw_4bit": "AdamW4bit", "adamw_fp8": "AdamWFp8", "adamw_8bit": "AdamW8bit",  # torchao.optim
@@ -46,7 +46,7 @@ def add_args(p):
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
-    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE, optimizer=args.optim, flags={"optimizer": f"--optim {args.optim}"})
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
     else:
         import torchao.optim as library
         if launch.run.sharding == "fsdp":
-            compile_each_shard_apart()  # else a rank may run the other's cached step graph (shared/optim.py)
+            compile_each_shard_apart()  # else a rank may run the other's cached step graph (shared/core/optim.py)
     task = load_task(args, accelerator)
     max_steps = total_steps(args, accelerator, task.train_dataloader)
     # The technique: a low-bit AdamW, same hyperparameters and parameter groups as torch AdamW.
@@ -83,7 +83,7 @@ def main(argv=None) -> dict:
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     model.train()
     for step in meter.steps(start_step, max_steps):

@@ -9,7 +9,7 @@ Each process builds and keeps only its stage's parameters. GPT-2, BERT and ViT m
         recipes/pipeline_parallel.py --model_preset base --layers_per_stage 2,4,4,2
 Every process reads the same whole batch (the first stage needs the inputs, the last the labels). Text is padded to
 --max_seq_length: stages exchange fixed-shape tensors. --checkpointing_steps: each process saves its own stage,
-optimizer and scheduler (shared/checkpoint.py checkpoint_per_process); resume with the same processes and stages.
+optimizer and scheduler (shared/core/checkpoint.py checkpoint_per_process); resume with the same processes and stages.
 """
 
 import sys
@@ -24,15 +24,18 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import COUNT, parse_args
-from shared.checkpoint import checkpoint_per_process, maybe_save_checkpoint, resume
-from shared.data import endless_batches
-from shared.guard import DivergenceGuard
-from shared.launch import entrypoint, resolve_launch, start_run
-from shared.meter import Meter
-from shared.models import transformer_layers
-from shared.optim import optimizer_and_scheduler, total_steps
-from shared.pipeline_stages import (
+from shared.core.args import COUNT, parse_args
+from shared.core.checkpoint import checkpoint_per_process, maybe_save_checkpoint, resume
+from shared.core.data import endless_batches
+from shared.core.guard import DivergenceGuard
+from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.meter import Meter
+from shared.core.models import transformer_layers
+from shared.core.optim import optimizer_and_scheduler, total_steps
+from shared.core.preflight import stop_if_preflight
+from shared.core.results import collect_results, write_results
+from shared.core.tasks import load_task
+from shared.techniques.pipeline_stages import (
     Stage,
     clip_global_grad_norm,
     evaluate,
@@ -43,9 +46,6 @@ from shared.pipeline_stages import (
     summed_loss,
     tied_weight,
 )
-from shared.preflight import stop_if_preflight
-from shared.results import collect_results, write_results
-from shared.tasks import load_task
 
 RECIPE = "pipeline_parallel"
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}  # classes of torch.distributed.pipelining
@@ -67,7 +67,7 @@ def main(argv=None) -> dict:
         raise SystemExit("--gradient_accumulation_steps: the micro-batches already accumulate; raise "
                          "--n_microbatches and the batch size instead.")
     args.per_device_eval_batch_size = args.per_device_train_batch_size  # the same micro-batch shape in evaluation
-    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
@@ -122,7 +122,7 @@ def main(argv=None) -> dict:
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, args, task, stage, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, stage, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     stage.train()
     for step in meter.steps(start_step, max_steps):

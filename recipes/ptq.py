@@ -18,12 +18,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
-from shared.launch import entrypoint, resolve_launch, start_run
-from shared.models import transformer_layers
-from shared.preflight import stop_if_preflight
-from shared.quant import conv1d_to_linear, dir_bytes
-from shared.tasks import load_task
+from shared.core.args import parse_args
+from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.models import transformer_layers
+from shared.core.preflight import stop_if_preflight
+from shared.core.tasks import load_task
+from shared.techniques.quant import conv1d_to_linear, dir_bytes
 
 RECIPE = "ptq"
 
@@ -38,7 +38,7 @@ def main(argv=None) -> dict:
     if not args.model_name_or_path:
         raise SystemExit("PTQ quantizes a trained model: pass --model_name_or_path (e.g. the output_dir of "
                          "recipes/baseline.py).")
-    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy

@@ -24,19 +24,25 @@ from accelerate.utils import GradientAccumulationPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import COUNT, number, parse_args
-from shared.checkpoint import maybe_save_checkpoint, resume
-from shared.data import endless_batches
-from shared.deepspeed_setup import gathered_parameters
-from shared.guard import DivergenceGuard
-from shared.launch import entrypoint, resolve_launch, start_run
-from shared.meter import Meter
-from shared.models import AUTO_CLASSES, HEAD_NAMES
-from shared.optim import optimizer_and_scheduler, total_steps
-from shared.preflight import stop_if_preflight
-from shared.quant import COMPUTE_DTYPES, head_names, lora_grad_report, no_cpu_4bit_repacking, quantized_weight_bytes
-from shared.results import finish
-from shared.tasks import load_task
+from shared.core.args import COUNT, number, parse_args
+from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.data import endless_batches
+from shared.core.guard import DivergenceGuard
+from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.meter import Meter
+from shared.core.models import AUTO_CLASSES, HEAD_NAMES
+from shared.core.optim import optimizer_and_scheduler, total_steps
+from shared.core.preflight import stop_if_preflight
+from shared.core.results import finish
+from shared.core.tasks import load_task
+from shared.techniques.deepspeed_setup import gathered_parameters
+from shared.techniques.quant import (
+    COMPUTE_DTYPES,
+    head_names,
+    lora_grad_report,
+    no_cpu_4bit_repacking,
+    quantized_weight_bytes,
+)
 
 RECIPE = "qlora"
 
@@ -67,7 +73,7 @@ def add_args(p):
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
-    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(
         args, RECIPE, base_weights="int8" if args.bits == 8 else "nf4", lora=True,
         quant_storage=args.bnb_4bit_quant_storage, spread_devices=args.device_map == "auto",
@@ -125,7 +131,7 @@ def main(argv=None) -> dict:
     model = AUTO_CLASSES[args.task].from_pretrained(
         base_dir, config=config, quantization_config=bnb_config, device_map=device_map, dtype=dtype,
         trust_remote_code=args.trust_remote_code)
-    no_cpu_4bit_repacking(model)  # bitsandbytes' in-place CPU repacking breaks training (shared/quant.py)
+    no_cpu_4bit_repacking(model)  # bitsandbytes' in-place CPU repacking breaks training (shared/techniques/quant.py)
     weight_bytes = quantized_weight_bytes(model)
     # Freezes the base, casts norms and heads to fp32 for stable training, and turns on gradient checkpointing.
     # Non-reentrant checkpointing passes gradients through frozen blocks by itself; the reentrant kind would need
@@ -156,7 +162,7 @@ def main(argv=None) -> dict:
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
     grad_checks = []
 
     model.train()

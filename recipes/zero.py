@@ -16,10 +16,17 @@ from accelerate.utils import DeepSpeedPlugin, GradientAccumulationPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.args import parse_args
-from shared.checkpoint import maybe_save_checkpoint, resume
-from shared.data import endless_batches
-from shared.deepspeed_setup import (
+from shared.core.args import parse_args
+from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.data import endless_batches
+from shared.core.guard import DivergenceGuard
+from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.meter import Meter
+from shared.core.optim import optimizer_and_scheduler, total_steps
+from shared.core.preflight import stop_if_preflight
+from shared.core.results import finish
+from shared.core.tasks import load_task
+from shared.techniques.deepspeed_setup import (
     add_deepspeed_args,
     count_model_states_at_first_step,
     deepspeed_summary,
@@ -27,13 +34,6 @@ from shared.deepspeed_setup import (
     schedule_the_optimizer_that_steps,
     zero_config,
 )
-from shared.guard import DivergenceGuard
-from shared.launch import entrypoint, resolve_launch, start_run
-from shared.meter import Meter
-from shared.optim import optimizer_and_scheduler, total_steps
-from shared.preflight import stop_if_preflight
-from shared.results import finish
-from shared.tasks import load_task
 
 RECIPE = "zero"
 
@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config,
                              # ZeRO-3: build the model under zero.Init, so no process ever holds all of it.
                              zero3_init_flag=ds_config["zero_optimization"]["stage"] == 3)
-    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/compat.py).
+    # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE, deepspeed_config=ds_config)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
@@ -83,7 +83,7 @@ def main(argv=None) -> dict:
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, args, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/guard.py)
+    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
     meter.extras.update(deepspeed_summary(accelerator, model))
     count_model_states_at_first_step(meter, model, optimizer)  # ZeRO frees gradients inside its step
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.launch import free_port  # noqa: F401  (tests import it from here)
+from shared.core.launch import free_port  # noqa: F401  (tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"

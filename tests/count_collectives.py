@@ -34,7 +34,7 @@ def main() -> None:
     out, recipe, *flags = sys.argv[1:]
     for name in COLLECTIVES:  # before anything imports them: Accelerate calls torch.distributed.<name> at call time
         setattr(dist, name, _counted(name))
-    from shared.meter import Meter
+    from shared.core.meter import Meter
     from tests.conftest import load_recipe
 
     per_step: list[list[str]] = []

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from transformers import BertConfig, GPT2Config, ViTConfig
 
-from shared import data
-from shared.models import AUTO_CLASSES
+from shared.core import data
+from shared.core.models import AUTO_CLASSES
 
 
 def make_model_dir(root: Path, task: str, hidden: int = 256, layers: int = 2) -> Path:

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _csv(tmp: Path, rows: int = 40) -> Path:
-    from shared.data import sentiment_dataset
+    from shared.core.data import sentiment_dataset
 
     d = sentiment_dataset(rows, seed=1)
     path = tmp / "train.csv"
@@ -84,7 +84,7 @@ def _model_dir(tmp: Path, kind: str, tokenizer: bool = True) -> Path:
     """A local model directory as a user has one: config.json (and a tokenizer), no weights needed to refuse."""
     from transformers import BertConfig, ViTConfig
 
-    from shared.data import build_word_tokenizer
+    from shared.core.data import build_word_tokenizer
 
     path = tmp / f"{kind}-model"
     config = {"vit": ViTConfig, "bert": BertConfig}[kind](hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -411,7 +411,7 @@ def test_bad_input_fails_fast_with_the_fix(case, tmp_path, capsys, monkeypatch):
     message = f"{exc.value.code}\n{printed.err}"
     for fragment in case.says:
         assert fragment in message, f"{case.id}: {fragment!r} not in {message[-1500:]!r}"
-    # No training step ran: the progress bar (shared/meter.py) never started, and nothing was written.
+    # No training step ran: the progress bar (shared/core/meter.py) never started, and nothing was written.
     assert "train:" not in printed.err + printed.out, f"{case.id}: training started before the refusal"
     assert not (tmp_path / "out" / "results.json").exists()
     assert not list((tmp_path / "out").glob("checkpoints/step_*")), "it trained before failing"
@@ -419,7 +419,7 @@ def test_bad_input_fails_fast_with_the_fix(case, tmp_path, capsys, monkeypatch):
 
 def test_refusal_under_launch_is_shown_once_at_the_end(tmp_path):
     """Two processes refuse the same data: the launcher's failure summary shows the message once, as its last word,
-    instead of each process printing it above the launcher's traceback (shared/launch.py entrypoint)."""
+    instead of each process printing it above the launcher's traceback (shared/core/launch.py entrypoint)."""
     from tests.conftest import launch
 
     data = _table(tmp_path, [(f"text {i}", 0) for i in range(40)])
@@ -435,7 +435,7 @@ def test_refusal_under_launch_is_shown_once_at_the_end(tmp_path):
 
 def test_a_failure_after_training_keeps_the_trained_model(tmp_path, monkeypatch):
     """Evaluation that fails after training (a file gone from a network disk) still leaves the trained model."""
-    from shared.tasks import Task
+    from shared.core.tasks import Task
     from tests.conftest import run_recipe
 
     def gone(*_args):

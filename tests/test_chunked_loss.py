@@ -1,5 +1,6 @@
-"""Chunked cross-entropy (shared/chunked_loss.py, recipes/chunked_loss.py): the plain loss's value and gradients, a
-small fraction of its saved-for-backward bytes, and the recipe trained under ZeRO-3 and FSDP2 in 2 processes."""
+"""Chunked cross-entropy (shared/techniques/chunked_loss.py, recipes/chunked_loss.py): the plain loss's value and
+gradients, a small fraction of its saved-for-backward bytes, and the recipe trained under ZeRO-3 and FSDP2 in 2
+processes."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python tests/test_chunked_loss.py`: the docs' table
 
-from shared.chunked_loss import ChunkedLoss, chunked_cross_entropy, output_head
-from shared.meter import saved_activation_bytes
-from shared.tasks import Task
+from shared.core.meter import saved_activation_bytes
+from shared.core.tasks import Task
+from shared.techniques.chunked_loss import ChunkedLoss, chunked_cross_entropy, output_head
 from tests.conftest import launch, max_param_diff, run_recipe
 from tests.test_zero import causal_lm_dir, params
 
@@ -159,7 +160,7 @@ def test_combined_chunked_loss_trains_as_the_plain_loss(tmp_path):
 def test_combined_chunked_loss_on_a_4bit_lora_model_in_two_processes(tmp_path):
     """The combination only combined.py has: a 4-bit base, LoRA adapters and the chunked loss, under DDP. (The
     chunked loss's measuring pass runs the model in eval mode first, which broke the 4-bit training step before
-    shared/quant.py's no_cpu_4bit_repacking.)"""
+    shared/techniques/quant.py's no_cpu_4bit_repacking.)"""
     r = launch("combined", tmp_path, "--task", "causal-lm", *SHORT, "--chunked_loss", "--lora", "--load_in", "4bit",
                "--no_save_model")
     assert (r["distributed_type"], r["num_processes"], r["load_in"], r["chunked_loss"]) == ("MULTI_CPU", 2, "4bit",
@@ -211,15 +212,15 @@ def benchmark(rows: tuple[tuple[int, int], ...] = ((16384, 1024), (32000, 2048),
                                                    (128256, 2048)),
               hidden: int = 256, chunk: int = 1024, repeats: int = 3) -> list[dict]:
     """Plain vs chunked loss from (1, tokens, hidden) hidden states through an untied head: saved-for-backward bytes
-    (shared.meter), growth of this process's peak resident memory during forward + backward, and the best of
+    (shared.core.meter), growth of this process's peak resident memory during forward + backward, and the best of
     `repeats` forward + backward times, plain and chunked interleaved (a shared machine's load hits both alike)."""
     import time
     from functools import partial
 
     from torch import nn
 
-    from shared.chunked_loss import plain_cross_entropy
-    from shared.meter import current_memory_bytes, peak_memory_bytes, reset_peak_memory
+    from shared.core.meter import current_memory_bytes, peak_memory_bytes, reset_peak_memory
+    from shared.techniques.chunked_loss import plain_cross_entropy
 
     cpu = torch.device("cpu")
     out = []

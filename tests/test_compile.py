@@ -13,9 +13,9 @@ import argparse
 import pytest
 import torch
 
-from shared import compat
-from shared.launch import resolve_compile
-from shared.meter import compile_times
+from shared.core import rules
+from shared.core.launch import resolve_compile
+from shared.core.meter import compile_times
 from tests.conftest import launch, run_recipe
 
 # fp32, no dropout (inductor draws its own random numbers), constant LR, whole batches only (a new shape recompiles).
@@ -85,17 +85,17 @@ def test_compiled_gpt2_under_ddp_matches_eager_ddp(tmp_path):
 
 
 def test_compile_is_refused_where_it_is_not_wired():
-    run = compat.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=2, compile="regional")
-    (message,) = compat.refusals(run)
+    run = rules.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=2, compile="regional")
+    (message,) = rules.refusals(run)
     assert "--torch_compile regional" in message and "recipes/tensor_parallel.py does not compile" in message
     assert "Fix: Drop --torch_compile" in message
-    assert not compat.refusals(compat.Run(recipe="baseline", sharding="ddp", launched="ddp", num_processes=2,
+    assert not rules.refusals(rules.Run(recipe="baseline", sharding="ddp", launched="ddp", num_processes=2,
                                           compile="full"))
-    compiling = {name for name, support in compat.RECIPES.items() if support.compiles}
+    compiling = {name for name, support in rules.RECIPES.items() if support.compiles}
     assert {"baseline", "data_parallel"} <= compiling
     # A recipe that does not compile says why, or falls back on the generic reason; none is silently ignored.
-    for name in set(compat.RECIPES) - compiling:
-        assert compat.refusals(compat.Run(recipe=name, sharding=compat.RECIPES[name].shardings[0],
+    for name in set(rules.RECIPES) - compiling:
+        assert rules.refusals(rules.Run(recipe=name, sharding=rules.RECIPES[name].shardings[0],
                                           launched="none", compile="full")), name
 
 
@@ -131,4 +131,4 @@ def test_docs_say_which_recipes_compile_as_the_rule_table_does():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if line.startswith("| ") and len(cells) >= 2 and cells[1] in ("works", "refused"):
             said |= {name.strip(): cells[1] == "works" for name in cells[0].split(",")}
-    assert said == {name: support.compiles for name, support in compat.RECIPES.items()}
+    assert said == {name: support.compiles for name, support in rules.RECIPES.items()}

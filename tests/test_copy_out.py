@@ -1,5 +1,5 @@
-"""`python -m shared.cp RECIPE DEST`: the copied folder runs outside the repository, on its own core (recipe_core),
-beside a user's own `shared`/`utils` packages, and holds only the core modules the recipe needs."""
+"""`python -m shared.tools.cp RECIPE DEST`: the copied folder runs outside the repository, on its own core
+(recipe_core), beside a user's own `shared`/`utils` packages, and holds only the core modules the recipe needs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.cp import VENDORED, copy_recipe, launch_configs, recipe_names
+from shared.tools.cp import VENDORED, copy_recipe, launch_configs, recipe_names
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def _outside(tmp_path: Path) -> Path:
 
 def _cp(*args: str) -> subprocess.CompletedProcess:
     """The command as the README gives it, from the repository root."""
-    return subprocess.run([sys.executable, "-m", "shared.cp", *args], cwd=ROOT, env=_env(), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "shared.tools.cp", *args], cwd=ROOT, env=_env(), capture_output=True,
                           text=True, timeout=120)
 
 
@@ -64,7 +64,7 @@ def _core_imports(tree: ast.AST, core: str = "shared") -> list[int]:
 
 
 def _closure(recipe: str) -> set[str]:
-    """The core files a recipe imports, transitively: written here independently of shared/cp.py (the core is one
+    """The core files a recipe imports, transitively: written here independently of shared/tools/cp.py (the core is one
     flat package: `shared.X`, `from . import X`, `from .X import y`, at any depth)."""
     todo, found = [ROOT / "recipes" / f"{recipe}.py"], {"__init__.py"}
     while todo:
@@ -209,21 +209,21 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
-import shared.args
-import shared.results as res, json
-from shared import data, models as mo
-from shared.optim import (
-    total_steps,  # shared.optim in a comment stays
+import shared.core.args
+import shared.core.results as res, json
+from shared.core import data, models as mo
+from shared.core.optim import (
+    total_steps,  # shared.core.optim in a comment stays
 )
 
-TEXT = "from shared.args import parse_args"  # so does a string
+TEXT = "from shared.core.args import parse_args"  # so does a string
 
 
 def main():
-    from shared.checkpoint import resume
-    import shared.meter
-    mods = [shared.args, res, data, mo, sys.modules[total_steps.__module__], sys.modules[resume.__module__],
-            shared.meter]
+    from shared.core.checkpoint import resume
+    import shared.core.meter
+    mods = [shared.core.args, res, data, mo, sys.modules[total_steps.__module__], sys.modules[resume.__module__],
+            shared.core.meter]
     print(json.dumps([m.__file__ for m in mods]))
 
 
@@ -235,7 +235,7 @@ if __name__ == "__main__":
     text = (dest / "weird.py").read_text()
     assert _core_imports(ast.parse(text)) == [] and NEW_PATH_LINE in text
     assert '"""Weird: `python weird.py`; recipes/weirdo.py stays."""' in text
-    assert "# shared.optim in a comment stays" in text and '"from shared.args import parse_args"' in text
+    assert "# shared.core.optim in a comment stays" in text and '"from shared.core.args import parse_args"' in text
     assert "recipe_core.args, res" in text and "            recipe_core.meter]" in text
     assert {"args.py", "results.py", "data.py", "models.py", "optim.py", "checkpoint.py", "meter.py"} <= {
         r.removeprefix(f"{VENDORED}/") for r in c.files}

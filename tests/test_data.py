@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from shared import data, packing
-from shared.tasks import Task
+from shared.core import data, packing
+from shared.core.tasks import Task
 from tests.conftest import load_params, max_param_diff, run_recipe
 
 VOCAB = "the cat dog ran to a red blue house and field one two three fox owl river road garden".split()
@@ -77,7 +77,7 @@ def test_builtin_data_packs_without_padding(tmp_path):
 def _tiny_decoder(kind: str, attn: str):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shared.models import preset_config
+    from shared.core.models import preset_config
 
     if kind == "gpt2":
         config = preset_config("causal-lm", "tiny", vocab_size=100, bos_token_id=1, eos_token_id=2)
@@ -261,7 +261,7 @@ def test_image_pipeline_loads_the_output_directory(tmp_path):
 
 # ---------------------------------------------------------------- 6. the learning-rate default
 def test_learning_rate_default_fits_what_is_trained():
-    from shared.args import FROM_SCRATCH_LR, PRETRAINED_LR, parse_args
+    from shared.core.args import FROM_SCRATCH_LR, PRETRAINED_LR, parse_args
 
     assert parse_args([]).learning_rate == FROM_SCRATCH_LR == 1e-3
     assert parse_args(["--model_name_or_path", "gpt2"]).learning_rate == PRETRAINED_LR == 5e-5

@@ -1,4 +1,4 @@
-"""Model FLOPs for MFU (shared/flops.py) against torch's own count: FlopCounterMode over a real forward and
+"""Model FLOPs for MFU (shared/core/flops.py) against torch's own count: FlopCounterMode over a real forward and
 backward of each family. Eager attention, so that the attention matmuls are ops it counts (it has no formula for
 CPU's fused sdpa kernel, which a default ViT uses here)."""
 
@@ -9,8 +9,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForSequenceClassification
 
-from shared.flops import peak_flops, training_flops_per_token
-from shared.models import preset_config
+from shared.core.flops import peak_flops, training_flops_per_token
+from shared.core.models import preset_config
 
 CLASSES = {"causal-lm": AutoModelForCausalLM, "text-classification": AutoModelForSequenceClassification,
            "image-classification": AutoModelForImageClassification}
@@ -33,7 +33,7 @@ def test_flops_per_token_equal_torchs_count_of_a_training_step(task):
         model(**inputs).logits.float().sum().backward()
     measured = counter.get_total_flops()
     predicted = training_flops_per_token(model, seq) * batch * seq
-    print(f"{task}: FlopCounterMode {measured:,}, shared.flops {predicted:,.0f}")
+    print(f"{task}: FlopCounterMode {measured:,}, shared.core.flops {predicted:,.0f}")
     assert predicted == pytest.approx(measured, rel=1e-3)
     # the attention term is there: a longer sequence costs more per token
     assert training_flops_per_token(model, 2 * seq) > training_flops_per_token(model, seq)

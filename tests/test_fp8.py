@@ -26,7 +26,7 @@ def test_the_filter_rule_names_what_it_keeps():
     """The rule (accelerate.utils.ao.filter_linear_layers): the first and last Linear, and dims not multiple of 16."""
     from accelerate.utils.ao import convert_model_to_fp8_ao
 
-    from shared.fp8 import FIRST_LAST, NOT_16, layer_precisions
+    from shared.techniques.fp8 import FIRST_LAST, NOT_16, layer_precisions
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
                                 torch.nn.Linear(64, 40), torch.nn.Linear(40, 64), torch.nn.Linear(64, 64),

@@ -18,7 +18,7 @@ import gpu_check  # noqa: E402
 
 
 def test_every_gpu_command_parses_with_its_recipe():
-    from shared.args import parse_args
+    from shared.core.args import parse_args
 
     checks = gpu_check.recipe_checks(gpu_check.STEPS, tiny=False)
     assert {c["recipe"] for c in checks} >= {"baseline", "fp8", "qlora", "optim_8bit", "zero3_offload"}

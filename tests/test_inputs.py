@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from shared.data import sentiment_dataset, story_dataset
+from shared.core.data import sentiment_dataset, story_dataset
 from tests.conftest import run_recipe
 
 FAST = ["--max_train_steps", 2, "--no_save_model"]

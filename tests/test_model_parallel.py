@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
-from shared.models import transformer_layers
-from shared.pipeline_stages import split_layers
+from shared.core.models import transformer_layers
+from shared.techniques.pipeline_stages import split_layers
 from tests.conftest import load_params, load_recipe, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON, single
 from tests.test_pipeline_parallel import _model_and_batch

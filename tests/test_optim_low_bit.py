@@ -64,7 +64,7 @@ def test_state_bytes_and_loss_against_torch_adamw(optim, runs, model_dir):
 
 @pytest.mark.slow
 def test_4bit_under_fsdp2_in_two_processes(tmp_path):
-    """torchao's AdamW4bit on FSDP2 shards: the combination that failed in its compiled step (shared/optim.py)."""
+    """torchao's AdamW4bit on FSDP2 shards: the combination that failed in its compiled step (shared/core/optim.py)."""
     r = launch("optim_low_bit", tmp_path, "--optim", "adamw_4bit", *COMMON, config="fsdp.yaml")
     assert (r["num_processes"], r["sharding"], r["optimizer_class"]) == (2, "fsdp", "AdamW4bit")
     assert r["tensors_with_quantized_state"] > 0

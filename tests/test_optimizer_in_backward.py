@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from shared.launch import free_port
-from shared.optim_in_backward import OptimizerInBackward
+from shared.core.launch import free_port
+from shared.techniques.optim_in_backward import OptimizerInBackward
 from tests.conftest import load_params, max_param_diff, run_recipe
 
 # fp32, dropout off, no clipping: the same update computed at another moment. Measured: 0.0 on both tasks.

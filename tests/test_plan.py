@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared import plan
-from shared.meter import saved_activation_bytes
-from shared.models import AUTO_CLASSES, preset_config
+from shared.core.meter import saved_activation_bytes
+from shared.core.models import AUTO_CLASSES, preset_config
+from shared.tools import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,7 +141,7 @@ def _config(task, h, n_layers, a, i, dropout):
 
 @pytest.mark.parametrize("case", ACTIVATION_CASES, ids=lambda c: f"{c[0]}-{c[8]}-ckpt{int(c[9])}-drop{int(c[7])}")
 def test_activation_formula_matches_saved_tensors(case):
-    """Bytes autograd saves in one forward + loss (shared.meter.saved_activation_bytes), on CPU, vs the formula."""
+    """Bytes autograd saves in one forward + loss (shared.core.meter.saved_activation_bytes), on CPU, vs the formula."""
     task, h, n_layers, a, i, b, s, dropout, precision, ckpt = case
     cfg = _config(task, h, n_layers, a, i, dropout)
     torch.manual_seed(0)
@@ -324,7 +324,7 @@ HARDWARE = [("1 GPU", ["--num_gpus", "1"]), ("2 GPUs", ["--num_gpus", "2"]),
 @pytest.mark.parametrize("hardware", [h for _, h in HARDWARE], ids=[name for name, _ in HARDWARE])
 def test_every_printed_command_starts_as_printed(hardware, capsys, tmp_path):
     """Each command launches the process count planned, with the flags its recipe needs (--nvme_path), and the
-    recipe's own start-up (shared/compat.py, the DeepSpeed settings) accepts it: run up to its Accelerator."""
+    recipe's own start-up (shared/core/rules.py, the DeepSpeed settings) accepts it: run up to its Accelerator."""
     from tests.test_launch_grid import launch_env, verdict
 
     out, commands = _planned(capsys, *hardware)
@@ -431,7 +431,7 @@ def test_printed_command_trains_one_step(name, precision, gpus, capsys, tmp_path
 def test_low_bit_and_in_backward_bytes_match_the_runs(tmp_path):
     """The planner's rows for recipes/optim_low_bit.py and recipes/optimizer_in_backward.py against the runs: the
     optimizer state counted on live tensors, and the peak of live gradient bytes, within 5%."""
-    from shared import plan
+    from shared.tools import plan
     from tests.conftest import run_recipe
     from tests.quant_models import make_model_dir
 
@@ -455,7 +455,7 @@ def test_chunked_loss_and_dora_bytes_match_the_runs(tmp_path):
     """The planner's rows for recipes/chunked_loss.py and qlora.py --use_dora against the runs: the loss's
     saved-for-backward bytes, chunked and plain, on the run's first batch (fp32), within 5%; DoRA's trainable
     parameters exactly (adapters + one magnitude per adapted output) and its optimizer state within 5%."""
-    from shared import plan
+    from shared.tools import plan
     from tests.conftest import run_recipe
 
     seq, batch = 64, 4

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from shared.tools.preflight import estimate
 from tests.conftest import CONFIGS, ROOT, free_port, run_recipe
 
 
@@ -19,14 +20,16 @@ def test_preflight_stops_before_training(tmp_path):
     assert (resolved["distributed_type"], resolved["num_processes"], resolved["mixed_precision"]) == ("NO", 1, "fp16")
     assert resolved["fp16_path"] == "torch CPU autocast + GradScaler"
     assert resolved["global_batch_size"] == 16 * 2 and resolved["max_train_steps"] > 0
-    assert resolved["memory"]["fits"] is True and resolved["memory"]["predicted_peak_bytes_per_process"] > 0
+    memory = estimate(resolved)  # the planner's estimate is the repository tool's, from preflight.json alone
+    assert memory["fits"] is True and memory["predicted_peak_bytes_per_process"] > 0
     assert not (tmp_path / "results.json").exists() and not (tmp_path / "model.safetensors").exists()
 
 
 @pytest.mark.slow
 def test_preflight_command_resolves_a_launch_config(tmp_path):
-    """Through `python -m shared.preflight`, as a user runs it: 2 gloo processes really resolved."""
-    cmd = [sys.executable, "-m", "shared.preflight", "--config_file", str(ROOT / "accelerate_configs/multi_cpu.yaml"),
+    """Through `python -m shared.tools.preflight`, as a user runs it: 2 gloo processes really resolved."""
+    cmd = [sys.executable, "-m", "shared.tools.preflight",
+           "--config_file", str(ROOT / "accelerate_configs/multi_cpu.yaml"),
            "--main_process_port", str(free_port()), str(ROOT / "recipes/baseline.py"), "--report_to", "none",
            "--output_dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
@@ -37,11 +40,12 @@ def test_preflight_command_resolves_a_launch_config(tmp_path):
     assert '"distributed_type": "MULTI_CPU"' in proc.stdout
 
 
-def test_training_does_not_import_the_planner(tmp_path):
-    """The planner serves the preflight report: a training run (2 steps of the baseline) never imports it."""
+def test_training_does_not_import_the_tools(tmp_path):
+    """The planner serves the preflight tool: a training run (2 steps of the baseline) imports no tool."""
     code = (f"import sys; from tests.conftest import run_recipe; run_recipe('baseline', {str(tmp_path)!r}, "
             "'--max_train_steps', 2, '--max_eval_samples', 16, '--no_save_model'); "
-            "assert 'shared.plan' not in sys.modules, 'shared.plan imported by training'; print('trained')")
+            "tools = [m for m in sys.modules if m.startswith('shared.tools')]; "
+            "assert not tools, f'imported by training: {tools}'; print('trained')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr[-3000:]
@@ -74,7 +78,7 @@ def test_every_config_has_a_preflight_case():
 
 def _launched(config: str) -> bool:
     """More than one process: a real launch (a slow test, ~15 s); one process runs in this one (~0.2 s)."""
-    from shared.plan import config_launch
+    from shared.tools.plan import config_launch
 
     return config_launch(config)[0] > 1 or config in LAUNCH_ARGS
 
@@ -82,10 +86,10 @@ def _launched(config: str) -> bool:
 @pytest.mark.parametrize("config", [pytest.param(c, marks=[pytest.mark.slow] if _launched(c) else [])
                                     for c in sorted(PREFLIGHT)])
 def test_preflight_under_every_config(config, tmp_path, monkeypatch):
-    """`python -m shared.preflight --config_file accelerate_configs/<config> recipes/<recipe>.py` resolves the run
+    """`python -m shared.tools.preflight --config_file accelerate_configs/<config> recipes/<recipe>.py` resolves the run
     (under ZeRO-3 too: the planner's meta model is built outside zero.Init), estimates its memory in GiB with the
     planner's technique for that config, and stops before the first step."""
-    from shared.plan import TECHNIQUES
+    from shared.tools.plan import TECHNIQUES
     from tests.test_launch_grid import launch_env
 
     recipe, args = PREFLIGHT[config]
@@ -103,7 +107,7 @@ def test_preflight_under_every_config(config, tmp_path, monkeypatch):
         port = str(free_port())
         machines = 2 if "--num_machines" in launch_args else 1
         procs = [subprocess.Popen(
-            [sys.executable, "-m", "shared.preflight", "--config_file", str(CONFIGS / config), *launch_args,
+            [sys.executable, "-m", "shared.tools.preflight", "--config_file", str(CONFIGS / config), *launch_args,
              "--main_process_port", port, *(["--machine_rank", str(rank)] if machines > 1 else []),
              str(ROOT / "recipes" / f"{recipe}.py"), *SMALL, *args, "--output_dir", str(out)],
             cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
@@ -112,7 +116,7 @@ def test_preflight_under_every_config(config, tmp_path, monkeypatch):
         assert [p.returncode for p in procs] == [0] * machines, "\n".join(log[-4000:] for log in logs)
     resolved = json.loads((out / "preflight.json").read_text())
     assert resolved["num_processes"] == world and resolved["recipe"] == recipe
-    memory = resolved["memory"]
+    memory = resolved["memory"] if world > 1 else estimate(resolved)  # the tool wrote it, or it is asked here
     expected = next((t.name for t in TECHNIQUES if t.config == config and t.recipe == recipe), None)
     if expected:  # the configs the planner plans with: its model of exactly that launch
         assert memory["technique"] == expected, memory

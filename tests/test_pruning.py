@@ -4,8 +4,8 @@ baseline, and the saved model is a plain model (no masks, no pruning hooks)."""
 import pytest
 from transformers import AutoModelForCausalLM
 
-from shared.models import AUTO_CLASSES
-from shared.quant import linear_sparsity
+from shared.core.models import AUTO_CLASSES
+from shared.techniques.quant import linear_sparsity
 from tests.conftest import load_params, load_recipe, run_recipe
 
 SMALL = ("--max_train_steps", "10", "--max_train_samples", "160", "--max_eval_samples", "64", "--disable_dropout")

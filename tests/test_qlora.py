@@ -5,7 +5,7 @@ and lower the loss, an adapter that reloads onto a freshly quantized base, a mer
 import pytest
 import torch
 
-from shared.quant import no_cpu_4bit_repacking
+from shared.techniques.quant import no_cpu_4bit_repacking
 from tests.conftest import launch, run_recipe
 from tests.quant_models import make_model_dir
 
@@ -73,7 +73,7 @@ def test_adapter_reloads_onto_fresh_4bit_base_and_merge(runs, tmp_path_factory):
     logits = []
     for _ in range(2):  # two fresh quantized bases, each with the saved adapter
         base = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb, device_map={"": "cpu"})
-        no_cpu_4bit_repacking(base)  # evaluated as the run evaluated: on the dequantizing path (shared/quant.py)
+        no_cpu_4bit_repacking(base)  # evaluated as the run evaluated: on the dequantizing path (techniques/quant.py)
         model = PeftModel.from_pretrained(base, r["adapter_dir"]).eval()
         with torch.no_grad():
             logits.append(model(**batch).logits)
@@ -85,8 +85,8 @@ def test_adapter_reloads_onto_fresh_4bit_base_and_merge(runs, tmp_path_factory):
     # Same logits as the trained model: the reloaded adapter's eval loss is the one the run reported.
     from accelerate import Accelerator
 
-    from shared.args import parse_args
-    from shared.tasks import load_task
+    from shared.core.args import parse_args
+    from shared.core.tasks import load_task
 
     args = parse_args(["--task", "causal-lm", "--model_name_or_path", str(model_dir), *COMMON[:4]])
     task = load_task(args, Accelerator(cpu=True))
@@ -157,7 +157,7 @@ def test_4bit_layers_train_after_an_eval_forward_and_evaluate_at_odd_sizes():
 
     import bitsandbytes as bnb
 
-    from shared.quant import no_cpu_4bit_repacking
+    from shared.techniques.quant import no_cpu_4bit_repacking
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(bnb.nn.Linear4bit(64, 40, compute_dtype=torch.float32, quant_type="nf4"),
@@ -188,7 +188,7 @@ def test_4bit_layers_train_after_an_eval_forward_and_evaluate_at_odd_sizes():
 def test_qlora_on_a_hidden_40_model_evaluates(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from shared.data import build_word_tokenizer, builtin_split
+    from shared.core.data import build_word_tokenizer, builtin_split
 
     tok = build_word_tokenizer(builtin_split("causal-lm", "train")["text"], "causal-lm")
     GPT2LMHeadModel(GPT2Config(n_embd=40, n_head=2, n_layer=1, n_positions=128, vocab_size=len(tok),
@@ -207,8 +207,8 @@ def test_dora_adds_one_magnitude_per_output_and_reloads(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from shared.args import parse_args
-    from shared.tasks import load_task
+    from shared.core.args import parse_args
+    from shared.core.tasks import load_task
 
     args = ("--task", "causal-lm", "--max_train_steps", "6", *COMMON)
     lora = run_recipe("qlora", tmp_path / "lora", *args, "--no_save_model")
@@ -227,7 +227,7 @@ def test_dora_adds_one_magnitude_per_output_and_reloads(tmp_path):
     logits, model = [], None
     for _ in range(2):
         base = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=bnb, device_map={"": "cpu"})
-        no_cpu_4bit_repacking(base)  # evaluated as the run evaluated: on the dequantizing path (shared/quant.py)
+        no_cpu_4bit_repacking(base)  # evaluated as the run evaluated: on the dequantizing path (techniques/quant.py)
         model = PeftModel.from_pretrained(base, dora["adapter_dir"]).eval()
         assert model.peft_config["default"].use_dora
         with torch.no_grad():

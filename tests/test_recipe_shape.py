@@ -46,7 +46,7 @@ DIFF_BUDGET = {
     "sequence_parallel": 62,  # 56 measured 2026-12-01
 }
 
-# What every Accelerator(...) passes: the behaviour a user who copies the loop must not lose (shared/launch.py).
+# What every Accelerator(...) passes: the behaviour a user who copies the loop must not lose (shared/core/launch.py).
 VISIBLE = ("cpu=launch.cpu", "mixed_precision=args.mixed_precision", "sync_with_dataloader=False",
            "step_scheduler_with_optimizer=False", "use_seedable_sampler=True", "kwargs_handlers=",
            "dynamo_plugin=launch.dynamo_plugin")  # --torch_compile, or an explicit "no" (never the env's)
@@ -88,12 +88,12 @@ def test_the_accelerator_is_built_in_the_recipe(recipe):
     checked = re.search(r"resolve_launch\(\s*args, RECIPE", source)
     assert checked and checked.start() < source.index("Accelerator(") < source.index("start_run(")
     assert re.search(r"^def add_args\(", source, re.M), "the per-recipe flag hook is add_args in every recipe"
-    # Under `accelerate launch` a refusal is then shown once, in the launcher's summary (shared/launch.py).
+    # Under `accelerate launch` a refusal is then shown once, in the launcher's summary (shared/core/launch.py).
     assert re.search(r"^@entrypoint\b.*\ndef main\(", source, re.M), f"{recipe}: main() lacks @entrypoint"
 
 
 def test_every_recipe_is_in_the_rule_table():
-    from shared.compat import RECIPES as TABLE
+    from shared.core.rules import RECIPES as TABLE
 
     assert set(TABLE) == set(RECIPES)
 
@@ -122,7 +122,7 @@ def test_known_noise_is_silenced_and_nothing_else(capsys):
     """Each silenced message is dropped by logger and text; a different message on the same logger still shows."""
     import logging
 
-    from shared.quiet import _LOG_RECORDS, silence_known_noise
+    from shared.core.quiet import _LOG_RECORDS, silence_known_noise
 
     silence_known_noise()
     silence_known_noise()  # idempotent: one filter per rule

@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoConfig
 
-from shared.results import REQUIRED_FIELDS
+from shared.core.results import REQUIRED_FIELDS
 from tests.conftest import run_recipe
 
 RECIPES = ["baseline", "mixed_precision", "gradient_accumulation", "activation_checkpointing"]

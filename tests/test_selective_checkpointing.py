@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared import plan
-from shared.meter import forward_kept_bytes
-from shared.models import AUTO_CLASSES, preset_config, transformer_layers
+from shared.core.meter import forward_kept_bytes
+from shared.core.models import AUTO_CLASSES, preset_config, transformer_layers
+from shared.tools import plan
 from tests.conftest import load_recipe, run_recipe
 
 LAYERS, BATCH, SEQ = 4, 4, 32
@@ -33,7 +33,7 @@ def _model_and_batch(task: str):
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         labels = ids if task == "causal-lm" else torch.randint(0, 2, (BATCH,))
         if task == "causal-lm":
-            inputs["use_cache"] = False  # as shared/tasks.py does in training
+            inputs["use_cache"] = False  # as shared/core/tasks.py does in training
     return cfg, model, inputs, labels
 
 

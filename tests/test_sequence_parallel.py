@@ -1,4 +1,4 @@
-"""Ulysses sequence parallel (recipes/sequence_parallel.py, shared/sequence_parallel.py): 2 processes over gloo, each
+"""Ulysses sequence parallel (recipes/sequence_parallel.py, shared/techniques/ulysses.py): 2 processes over gloo, each
 holding half of every sequence, give the loss and gradients of 1 process on the whole sequence, with about half the
 saved activations; and a chunked loss that shifts labels inside each chunk, or restarts positions, measurably does
 not."""
@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from shared import sequence_parallel as sp
+from shared.techniques import ulysses as sp
 from tests.conftest import ROOT, launch, launch_command, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON
 
@@ -65,7 +65,7 @@ def test_chunks_give_the_whole_sequence_loss_and_gradients_with_half_the_activat
         assert abs(inside - ref) / ref > wrong_by
         if r["model"] == "gpt2":  # positions from 0 in every chunk: GPT-2's learned absolute positions are wrong
             assert abs(r["loss_positions_restarted"] - ref) / ref > wrong_by
-        if r["model"] == "gpt2":  # and shared/plan.py predicts it (see the test below)
+        if r["model"] == "gpt2":  # and shared/tools/plan.py predicts it (see the test below)
             assert _planned_saved_bytes(r, report)[1] == pytest.approx(max(per_process), rel=0.05)
     assert {r["model"] for r in report["rows"]} == {"gpt2", "llama"}  # Llama: rotary positions, 2 of 4 kv heads
     # DeepSpeed's UlyssesSPDataLoaderAdapter (Accelerate's sp_backend="deepspeed"), process r's loader holding sample
@@ -116,7 +116,7 @@ def test_refuses_one_process(tmp_path):
     ({"packing": "none"}, "--packing none.*equal chunks.*Use --packing concat"),
 ])
 def test_the_rule_table_refuses_what_does_not_split(changes, match):
-    from shared.compat import Run, check
+    from shared.core.rules import Run, check
 
     run = dict(recipe="sequence_parallel", sharding="ddp", launched="ddp", num_processes=2, task="causal-lm",
                seq_len=128, packing="concat")
@@ -137,7 +137,7 @@ def _planned_saved_bytes(row: dict, report: dict) -> tuple[float, float]:
     """The planner's (1 process, sequence parallel per process) saved-for-backward bytes for a benchmark row."""
     from transformers import GPT2Config, LlamaConfig
 
-    from shared.plan import activation_bytes, model_spec, sequence_parallel_activations
+    from shared.tools.plan import activation_bytes, model_spec, sequence_parallel_activations
 
     if row["model"] == "gpt2":
         config = GPT2Config(n_embd=128, n_layer=2, n_head=4, n_positions=2048, vocab_size=1024)
@@ -151,7 +151,7 @@ def _planned_saved_bytes(row: dict, report: dict) -> tuple[float, float]:
 
 
 def test_planner_predicts_the_measured_activations_per_process():
-    """shared/plan.py's sequence-parallel activations against the committed measurement (benchmarks/
+    """shared/tools/plan.py's sequence-parallel activations against the committed measurement (benchmarks/
     sequence_parallel.py, docs/results/sequence_parallel.json), GPT-2 and Llama at 256 to 2048 tokens."""
     report = json.loads((ROOT / "docs" / "results" / "sequence_parallel.json").read_text())
     assert {r["seq_len"] for r in report["rows"]} == {256, 512, 1024, 2048}

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from shared.tensor_parallel import PLANS, _fused_qkv_order
+from shared.techniques.tensor_parallel import PLANS, _fused_qkv_order
 from tests.conftest import launch, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON
 
@@ -53,7 +53,7 @@ def test_gpt2_trains_like_one_process_each_holding_half(tmp_path_factory):
     assert r["local_param_counts"] == [{"sharded": shard, "replicated": rest}] * 2
     assert r["param_bytes"] == [4 * (shard + rest)] * 2 == r["grad_bytes"]
     assert ref["param_bytes"] == [4 * (2 * shard + rest)]
-    from shared import plan
+    from shared.tools import plan
 
     config, task, _ = plan.load_config(None, "tiny", "causal-lm", None, None)
     predicted = plan.tensor_parallel_bytes(plan.model_spec(config, task, "tiny"), tp=2)
@@ -100,7 +100,7 @@ def test_refuses_one_process(tmp_path):
 def test_refuses_what_it_does_not_do_yet(tmp_path, flags, match):
     from argparse import Namespace
 
-    from shared.tensor_parallel import check_flags
+    from shared.techniques.tensor_parallel import check_flags
 
     args = Namespace(mixed_precision="no", shard_vocab=False, task="causal-lm")
     for flag, value in zip(flags[::2], flags[1::2], strict=True):
@@ -112,8 +112,8 @@ def test_refuses_what_it_does_not_do_yet(tmp_path, flags, match):
 def test_refuses_a_model_without_a_plan_or_heads_that_do_not_split():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shared.models import preset_config
-    from shared.tensor_parallel import family_of
+    from shared.core.models import preset_config
+    from shared.techniques.tensor_parallel import family_of
 
     llama = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=32))

@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from shared import compat, plan
+from shared.core import rules
+from shared.tools import plan
 from tests.conftest import launch, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON
 
@@ -52,24 +53,24 @@ def test_tp_x_dp_trains_like_one_process_and_resumes_exactly(tmp_path):
 
 @pytest.mark.parametrize("tp, world, ok", [(2, 4, True), (4, 4, True), (0, 2, True), (3, 4, False), (1, 4, False)])
 def test_tp_size_must_divide_the_processes(tp, world, ok):
-    run = compat.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=world,
+    run = rules.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=world,
                      tensor_parallel_size=tp, flags={"tensor_parallel_size": "--tp_size"})
     if ok:
-        compat.check(run)
+        rules.check(run)
     else:
         with pytest.raises(SystemExit, match=f"--tp_size {tp} with {world} processes.*divisor of {world}"):
-            compat.check(run)
+            rules.check(run)
 
 
 def test_accelerate_parallelism_config_on_cpu_is_refused_with_the_alternative():
     env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2",
            "PARALLELISM_CONFIG_CP_SIZE": "2", "WORLD_SIZE": "4"}
-    assert compat.launched_parallelism(env) == "tp=2 cp=2" and compat.launched_parallelism({}) == ""
-    run = compat.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=4, on_accelerator=False,
-                     parallelism_config=compat.launched_parallelism(env))
+    assert rules.launched_parallelism(env) == "tp=2 cp=2" and rules.launched_parallelism({}) == ""
+    run = rules.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=4, on_accelerator=False,
+                     parallelism_config=rules.launched_parallelism(env))
     with pytest.raises(SystemExit, match="ParallelismConfig.*CPU.*context parallel.*sdpa.*--tp_size N.*tp2_dp2"):
-        compat.check(run)
-    compat.check(compat.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=4,
+        rules.check(run)
+    rules.check(rules.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=4,
                             parallelism_config="tp=2"))  # on GPUs the table leaves it to Accelerate
 
 
@@ -106,7 +107,7 @@ def test_dcp_hooks_round_trip_and_refuse_another_mesh(tmp_path):
     back; a checkpoint of another mesh is refused, naming the flags to resume with."""
     import torch
 
-    from shared.checkpoint import checkpoint_dtensors
+    from shared.core.checkpoint import checkpoint_dtensors
 
     saved, into = _Hooks(), _Hooks()
     model, optimizer, scheduler = _trained(0)

@@ -34,7 +34,7 @@ def causal_lm_dir(path: Path, vocab_size: int | None = None, n_embd: int = 64) -
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from shared.data import build_word_tokenizer, builtin_split
+    from shared.core.data import build_word_tokenizer, builtin_split
 
     tok = build_word_tokenizer(builtin_split("causal-lm", "train")["text"], "causal-lm")
     config = GPT2Config(vocab_size=vocab_size or len(tok), n_embd=n_embd, n_layer=2, n_head=2, n_positions=128,
@@ -96,8 +96,8 @@ def test_zero3_trains_the_other_families(task, tmp_path):
 
 
 def _numel_of_tiny(task: str) -> int:
-    from shared.models import build_model, preset_config
-    from shared.plan import builtin_vocab_size
+    from shared.core.models import build_model, preset_config
+    from shared.tools.plan import builtin_vocab_size
 
     config = preset_config(task, "tiny", vocab_size=builtin_vocab_size(task, "tiny"),
                            num_labels=2 if task == "text-classification" else 4)
@@ -162,8 +162,8 @@ import torch
 from transformers import AutoModelForCausalLM
 from accelerate import Accelerator
 sys.path.insert(0, sys.argv[1])
-from shared.args import parse_args
-from shared.tasks import load_task
+from shared.core.args import parse_args
+from shared.core.tasks import load_task
 model_dir = sys.argv[2]
 model = AutoModelForCausalLM.from_pretrained(model_dir)
 empty = [n for n, p in model.named_parameters() if p.numel() == 0]

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .models import HEAD_NAMES
+from ..core.models import HEAD_NAMES
 
 # Accelerate's mixed_precision -> the dtype a run computes in: bitsandbytes dequantizes to it (bnb_4bit_compute_dtype).
 COMPUTE_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

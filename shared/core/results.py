@@ -56,14 +56,14 @@ def collect_results(accelerator, args: argparse.Namespace, recipe: str, task, me
         "device": str(accelerator.device),
         "distributed_type": accelerator.distributed_type.value,
         "mixed_precision": accelerator.mixed_precision,
-        "torch_compile": getattr(args, "torch_compile", "none"),  # none | regional | full (shared/launch.py)
+        "torch_compile": getattr(args, "torch_compile", "none"),  # none | regional | full (shared/core/launch.py)
         "max_train_steps": args.max_train_steps,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "per_device_train_batch_size": args.per_device_train_batch_size,
         **measured,
-        **flops,  # model FLOPs per token and MFU (shared/flops.py); MFU only on a GPU in its peak table
+        **flops,  # model FLOPs per token and MFU (shared/core/flops.py); MFU only on a GPU in its peak table
         **metrics,
-        **getattr(task, "stats", {}),  # what the training data holds (shared/datastats.py)
+        **getattr(task, "stats", {}),  # what the training data holds (shared/core/datastats.py)
         **meter.extras,
         **(extras or {}),
     }

@@ -1,6 +1,6 @@
 """Take a recipe into your own project: one self-contained folder that runs without this repository.
 
-    python -m shared.cp zero3_offload ~/myproj          # or: python -m shared.cp recipes/zero3_offload.py ~/myproj
+    python -m shared.tools.cp zero3_offload ~/myproj    # or: ... recipes/zero3_offload.py ~/myproj
     cd ~/myproj && python zero3_offload.py
 
 DEST gets the recipe (DEST/<recipe>.py), the modules of shared/ it imports, transitively, vendored as the package
@@ -23,8 +23,10 @@ import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CORE_DIR = Path(__file__).resolve().parent
+CORE_DIR = Path(__file__).resolve().parents[1]
 CORE = CORE_DIR.name  # the package name the recipes import ("shared")
+TOOLS = ("tools",)  # this wing is never copied: a recipe or a module it copies that imports it is refused
+COMMAND = f"python -m {CORE}.tools.cp"
 ROOT = CORE_DIR.parent
 RECIPES = ROOT / "recipes"
 VENDORED = "recipe_core"  # a name no user project is likely to have, unlike shared/ or utils/
@@ -86,7 +88,7 @@ def core_imports(tree: ast.AST, core: str = CORE) -> list[ast.Import | ast.Impor
 
 def _import_edits(src: _Text, tree: ast.AST, old: str, new: str) -> list[tuple[int, int, str]]:
     edits = []
-    binds_old_name = False  # `import shared.args` binds the name `shared`: its uses must follow the rename
+    binds_old_name = False  # `import shared.core.args` binds the name `shared`: its uses must follow the rename
     for node in core_imports(tree, old):
         if isinstance(node, ast.ImportFrom):
             # The module's first name is the first NAME token after `from` (alias has positions, module has none).
@@ -237,6 +239,9 @@ def core_closure(recipe_tree: ast.AST, where: str = "the recipe") -> dict[tuple[
         if parts in found:
             continue
         path = _module_file(parts)
+        if parts[: len(TOOLS)] == TOOLS:
+            raise SystemExit(f"{where} reaches {'.'.join((CORE, *parts))}: the tools are never copied, and no "
+                             "recipe or core module may import them.")
         found[parts] = path
         package = parts if path.name == "__init__.py" else parts[:-1]
         todo |= {parts[:i] for i in range(len(parts))}  # parent packages
@@ -348,7 +353,7 @@ def _readme(c: Copy, doc: str, core_files: list[str]) -> bytes:
 
 {first}
 
-Copied from the efficient-training recipes (`python -m {CORE}.cp {c.recipe} DEST`). It needs only the pip packages
+Copied from the efficient-training recipes (`{COMMAND} {c.recipe} DEST`). It needs only the pip packages
 below, not the repository; `{VENDORED}/` is the recipes' core, vendored under a name of its own.
 
 ```bash
@@ -402,7 +407,7 @@ def plan_copy(recipe_path: Path, dest: Path) -> Copy:
     readme = "README.md"
     if (dest / readme).exists() and not _ours(dest, readme, manifest, recipe):
         readme = f"README_{recipe}.md"
-    c.files[readme] = (_readme(c, doc, core_files), f"written by python -m {CORE}.cp")
+    c.files[readme] = (_readme(c, doc, core_files), f"written by {COMMAND}")
     return c
 
 
@@ -468,7 +473,7 @@ def summary(c: Copy) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=f"python -m {CORE}.cp", description=__doc__,
+    p = argparse.ArgumentParser(prog=COMMAND, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help=f"A recipe name ({', '.join(recipe_names()[:3])}, ...) or a recipe file.")
     p.add_argument("dest", help="The folder to write (created if missing).")

@@ -31,7 +31,7 @@ class Task:
     data_source: str
     tokenizer: object | None = None
     extra_files: dict[str, object] = field(default_factory=dict)
-    packing: str = "none"  # causal LM: how documents became samples (shared/packing.py)
+    packing: str = "none"  # causal LM: how documents became samples (shared/core/packing.py)
     processor: object | None = None  # image models: the image processor a pipeline needs beside the weights
     stats: dict[str, object] = field(default_factory=dict)  # what the training data holds, for results.json
 
@@ -64,7 +64,7 @@ class Task:
 
     def tokens_in(self, batch: dict) -> torch.Tensor | int:
         """Positions the model processed (non-padding tokens; patches + [CLS] for images), for throughput. A tensor
-        where it is counted on the device: reading it on the host would block every step (shared/meter.py)."""
+        where it is counted on the device: reading it on the host would block every step (shared/core/meter.py)."""
         if "attention_mask" in batch:
             return batch["attention_mask"].sum()
         if "input_ids" in batch:

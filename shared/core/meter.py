@@ -1,5 +1,5 @@
 """What a run costs, measured: bytes on live tensors, peak memory per process, time, the dtype and optimizer really
-used, and what activation checkpointing saves. It measures only: ending a run is shared/guard.py's job."""
+used, and what activation checkpointing saves. It measures only: ending a run is shared/core/guard.py's job."""
 
 from __future__ import annotations
 
@@ -340,7 +340,7 @@ class Meter:
         self.extras: dict[str, object] = {}
         self.step_loss: torch.Tensor | None = None  # the last recorded step's loss
         # Steps with a non-finite loss, counted on the device and read (all processes summed) only when the meter
-        # logs: no step that does not log waits on the host or on a collective for it (shared/guard.py).
+        # logs: no step that does not log waits on the host or on a collective for it (shared/core/guard.py).
         self._nonfinite = torch.zeros((), device=accelerator.device)
         self.nonfinite_steps = 0  # as of the last logging step, all processes
         self.logged_window: tuple[int, int] | None = None  # the optimizer steps (1-based) the last logging covered
@@ -398,8 +398,8 @@ class Meter:
             self._log(step + 1)
 
     def _log(self, step: int) -> None:
-        # One collective, summed over processes: the window's mean loss, the non-finite count (shared/guard.py) and
-        # which processes received a preemption signal (shared/checkpoint.py): a step that does not log has none.
+        # One collective, summed over processes: the window's mean loss, the non-finite count (shared/core/guard.py) and
+        # which processes received a preemption signal (shared/core/checkpoint.py): a step that does not log has none.
         window = torch.stack(self.window).mean().to(self.accelerator.device)
         signals = [float(local_signal() == s) for s in PREEMPTION_SIGNALS]
         values = torch.stack([window, self._nonfinite.float(), *torch.tensor(signals, device=window.device)])

@@ -196,7 +196,7 @@ def checkpoint_dtensors(accelerator, model: nn.Module, optimizer: torch.optim.Op
 def _preempted(accelerator) -> int:
     """The signal any process received (0 if none), agreed by all processes so that all of them save and stop.
 
-    With several processes the agreement rides on the meter's logging collective (shared/meter.py), so a step
+    With several processes the agreement rides on the meter's logging collective (shared/core/meter.py), so a step
     that does not log waits on no collective and no host read for it: a SIGTERM is acted on at the next logging
     step. Keep --logging_steps x the step time under the scheduler's grace period."""
     if accelerator.num_processes == 1:

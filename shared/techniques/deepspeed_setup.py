@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .meter import state_bytes
+from ..core.meter import state_bytes
 
 logger = logging.getLogger("recipes")
 
@@ -205,7 +205,7 @@ def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> d
         device = (block or {}).get("device", "none")
         if device == "none" and block is not None:
             block.pop("nvme_path", None)
-        if device != "nvme" or stage < 3:  # NVMe under ZeRO-1/2 is refused by the rule table (shared/compat.py)
+        if device != "nvme" or stage < 3:  # NVMe under ZeRO-1/2 is refused by the rule table (shared/core/rules.py)
             continue
         path = chosen.get(f"zero_optimization.{part}.nvme_path", (None, ""))[0]
         if path is None:

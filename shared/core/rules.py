@@ -135,7 +135,7 @@ class Run:
     stages_per_replica: int = 0  # pipeline stages inside each data-parallel replica (0: no such mesh)
     tensor_parallel_size: int = 0  # processes per tensor-parallel group, data parallel across them (0: all of them)
     parallelism_config: str = ""  # Accelerate's ParallelismConfig from the launch config, e.g. "tp=2 cp=2" ("": none)
-    packing: str = "none"  # causal LM: concat | per_document | none (shared/packing.py)
+    packing: str = "none"  # causal LM: concat | per_document | none (shared/core/packing.py)
     compile: str = "none"  # torch.compile through Accelerate's TorchDynamoPlugin: none | regional | full
     task: str = ""  # text-classification | causal-lm | image-classification ("": not checked)
     seq_len: int = 0  # --max_seq_length (0: not checked)
@@ -335,7 +335,7 @@ RULES: tuple[Rule, ...] = (
 def refusals(run: Run) -> list[str]:
     """Every rule the run breaks, as 'problem. Fix: ...' sentences (empty: it trains)."""
     if run.recipe not in RECIPES:
-        return [f"recipes/{run.recipe}.py is not in shared/compat.py's RECIPES table. Fix: add its row there."]
+        return [f"recipes/{run.recipe}.py is not in shared/core/rules.py's RECIPES table. Fix: add its row there."]
     found = [(rule.reason(run), rule.fix(run)) for rule in RULES if rule.applies(run)]
     return [f"{reason}. Fix: {fix[0].upper()}{fix[1:]}." for reason, fix in found]
 

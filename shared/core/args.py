@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Sequence
 
 TASKS = ("text-classification", "causal-lm", "image-classification")
-PACKING = ("concat", "per_document", "none")  # shared/packing.py
+PACKING = ("concat", "per_document", "none")  # shared/core/packing.py
 # Resolved after parsing when --learning_rate is unset: fine-tuning pretrained weights (the Transformers examples'
 # default) wants a far smaller step than training a randomly initialised preset from scratch.
 PRETRAINED_LR, FROM_SCRATCH_LR = 5e-5, 1e-3
@@ -137,7 +137,7 @@ def parse_args(
                         "regional: each repeated transformer block compiled once and reused (Accelerate's "
                         "use_regional_compilation; the shortest cold start), the rest of the model compiled apart. "
                         "full: the whole model as one graph. Unset: eager. Recipes that do not compile through "
-                        "prepare() refuse it (shared/compat.py).")
+                        "prepare() refuse it (shared/core/rules.py).")
     g.add_argument("--seed", type=number(int, low=0), default=42)
     g.add_argument("--ddp_timeout", type=COUNT, default=1800,
                    help="Seconds a process waits for the others in a collective before failing.")

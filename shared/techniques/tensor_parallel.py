@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .models import transformer_layers
+from ..core.models import transformer_layers
 
 # model_type -> {module inside each block: "colwise" | "rowwise"}; the pairs are (qkv -> out) and (up -> down).
 PLANS: dict[str, dict[str, str]] = {
@@ -28,7 +28,7 @@ def family_of(model: nn.Module, world: int) -> str:
     kind = model.config.model_type
     if kind not in PLANS:
         raise SystemExit(f"Tensor parallel plans are written for {sorted(PLANS)} models; this one is {kind!r}. "
-                         "Add its block's column/row-wise modules to shared/tensor_parallel.py PLANS.")
+                         "Add its block's column/row-wise modules to shared/techniques/tensor_parallel.py PLANS.")
     cfg = model.config
     mlp = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size
     for name, size in (("attention heads", cfg.num_attention_heads), ("MLP width", mlp)):

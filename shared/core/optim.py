@@ -37,7 +37,7 @@ def total_steps(args: argparse.Namespace, accelerator, train_dataloader, already
     if not args.max_train_steps:
         per_process = math.ceil(len(train_dataloader) / (1 if already_split else accelerator.num_processes))
         args.max_train_steps = max(1, math.ceil(args.num_train_epochs * per_process / args.gradient_accumulation_steps))
-        # A --max_train_steps the user passed was checked against the warmup when parsed (shared/args.py).
+        # A --max_train_steps the user passed was checked against the warmup when parsed (shared/core/args.py).
         if args.num_warmup_steps >= args.max_train_steps:
             raise SystemExit(f"--num_warmup_steps {args.num_warmup_steps} >= the run's {args.max_train_steps} steps: "
                              "the learning rate would never reach --learning_rate. Lower --num_warmup_steps, or "

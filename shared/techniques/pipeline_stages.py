@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models import transformer_layers
+from ..core.models import transformer_layers
 
 # model_type -> (modules the first stage runs before the blocks, modules the last stage runs after them)
 FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -46,7 +46,8 @@ def family_of(model: nn.Module) -> str:
     kind = model.config.model_type
     if kind not in FAMILIES:
         raise SystemExit(f"Pipeline stages are written for {sorted(FAMILIES)} models; this one is {kind!r}. "
-                         "Add its embeddings and head to shared/pipeline_stages.py FAMILIES and Stage.forward.")
+                         "Add its embeddings and head to shared/techniques/pipeline_stages.py FAMILIES and "
+                         "Stage.forward.")
     return kind
 
 

@@ -19,7 +19,7 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, TorchDynamoPlugin, set_seed
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from . import compat, quiet
+from . import quiet, rules
 from .checkpoint import install_preemption_handler
 from .fsdp_cpu import force_fsdp_on_cpu
 
@@ -111,7 +111,7 @@ def build_dynamo_plugin(compile_mode: str) -> TorchDynamoPlugin:
 class Launch:
     """What a run was launched as, resolved and checked before the Accelerator exists; the recipe passes it on."""
 
-    run: compat.Run
+    run: rules.Run
     cpu: bool  # Accelerator(cpu=...): gloo DDP on a CPU-only machine
     kwargs_handlers: list = field(default_factory=list)
     log_with: list[str] | None = None
@@ -131,7 +131,7 @@ def resolve_launch(
     """Resolve the launch, and refuse a combination that cannot train, before anything is built or loaded.
 
     Fills args.recipe, args.output_dir and args.mixed_precision with the resolved values. `deepspeed_config` /
-    `fsdp_plugin`: the sharding the recipe itself sets up. `asks`: the recipe's techniques as `compat.Run` fields,
+    `fsdp_plugin`: the sharding the recipe itself sets up. `asks`: the recipe's techniques as `rules.Run` fields,
     with `flags` saying how the recipe spells them, so a refusal names the user's own flags.
     """
     quiet.silence_known_noise()  # before DeepSpeed, torchao and bitsandbytes are first imported
@@ -139,21 +139,21 @@ def resolve_launch(
     args.output_dir = args.output_dir or str(Path("outputs") / f"{recipe}-{args.task}")
     args.mixed_precision = resolve_mixed_precision(args, default_mixed_precision)
     args.torch_compile = resolve_compile(args)
-    launched, offload, world = compat.launched_sharding(os.environ)
+    launched, offload, world = rules.launched_sharding(os.environ)
     sharding = launched
     if deepspeed_config is not None:
-        sharding, offload = compat.deepspeed_sharding(deepspeed_config)
+        sharding, offload = rules.deepspeed_sharding(deepspeed_config)
     elif fsdp_plugin is not None:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         sharding, offload = "fsdp", "cpu" if isinstance(fsdp_plugin.cpu_offload, CPUOffloadPolicy) else "none"
     on_cpu = not has_accelerator()
-    run = compat.Run(recipe=recipe, sharding=sharding, launched=launched, offload=offload, num_processes=world,
+    run = rules.Run(recipe=recipe, sharding=sharding, launched=launched, offload=offload, num_processes=world,
                      precision=args.mixed_precision, on_accelerator=not on_cpu,
                      accumulation=args.gradient_accumulation_steps, max_grad_norm=args.max_grad_norm,
                      packing=args.packing if args.task == "causal-lm" else "none", compile=args.torch_compile,
-                     parallelism_config=compat.launched_parallelism(os.environ), **asks)
-    compat.check(run)  # the rule table: refused here, with the reason and the fix
+                     parallelism_config=rules.launched_parallelism(os.environ), **asks)
+    rules.check(run)  # the rule table: refused here, with the reason and the fix
     check_environment(args, uses_deepspeed=sharding.startswith("zero"))
     check_output_dir(args.output_dir)
     log_with = _trackers(args.report_to)
@@ -175,7 +175,7 @@ def resolve_launch(
     elif on_cpu and world > 1:
         if sharding == "fsdp":
             # Accelerate never enables FSDP without GPUs (the replicas would train unsynced): start a gloo group
-            # here and force FSDP2 once the Accelerator exists (start_run, shared/fsdp_cpu.py).
+            # here and force FSDP2 once the Accelerator exists (start_run, shared/core/fsdp_cpu.py).
             process_group.backend = "gloo"
         else:
             # A MULTI_GPU config with `use_cpu: true` gives real gloo DDP only with cpu=True in the script;
@@ -197,11 +197,11 @@ def start_run(accelerator: Accelerator, args: argparse.Namespace, launch: Launch
             f"(distributed_type={accelerator.distributed_type}): the processes would train unsynced copies. "
             "On a CPU-only machine use accelerate_configs/multi_cpu.yaml (MULTI_GPU with use_cpu: true)."
         )
-    if compat.sharding_of(accelerator) != run.sharding:
+    if rules.sharding_of(accelerator) != run.sharding:
         # E.g. `use_cpu: true` in a DeepSpeed accelerate config turns DeepSpeed off: not the run that was asked for.
         raise SystemExit(
             f"recipes/{run.recipe}.py was checked as a {run.sharding} run, but Accelerate resolved "
-            f"{compat.sharding_of(accelerator)} (distributed_type={accelerator.distributed_type.value}). Use a "
+            f"{rules.sharding_of(accelerator)} (distributed_type={accelerator.distributed_type.value}). Use a "
             "launch config of that kind (accelerate_configs/), with `use_cpu: false` for DeepSpeed."
         )
     if (

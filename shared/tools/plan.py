@@ -1,12 +1,12 @@
 """Memory planner: which recipe and launch config fits a model on given hardware, predicted from the model's config.
 
-    python -m shared.plan --model_name_or_path gpt2-xl --num_gpus 8 --gpu_memory 80GB --seq_len 1024 \\
+    python -m shared.tools.plan --model_name_or_path gpt2-xl --num_gpus 8 --gpu_memory 80GB --seq_len 1024 \\
         --per_device_batch_size 8
 
 The model is built on the meta device (no weights are allocated or downloaded). For every technique combination the
 planner predicts bytes per device (weights, gradients, optimizer state, activations, working buffers) and on the
 host (offloaded states, runtime), ranks what fits by expected speed and prints the `accelerate launch` command of the
-recipe and config that runs it, as it runs: the process count, only recipes that accept it (shared/compat.py), and
+recipe and config that runs it, as it runs: the process count, only recipes that accept it (shared/core/rules.py), and
 placeholders (NVME_DIR, ...) to fill. When nothing fits it names the nearest changes that would (a smaller batch,
 activation checkpointing, offload, more GPUs). The formulas, and what was checked against measurement, are in
 docs/planner.md.
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import compat, quiet
+from ..core import quiet, rules
 
 GB = 10**9
 GiB = 2**30
@@ -96,11 +96,11 @@ TASK_OF_MODEL_TYPE = {"gpt2": "causal-lm", "bert": "text-classification", "vit":
 
 
 def builtin_vocab_size(task: str, preset: str) -> int:
-    """The vocabulary the recipes give a preset on the built-in data (shared/tasks.py): the local word tokenizer's,
+    """The vocabulary the recipes give a preset on the built-in data (shared/core/tasks.py): the local word tokenizer's,
     raised to BERT's 30522 for the base preset."""
     if task == "image-classification":
         return 30522
-    from . import data
+    from ..core import data
 
     n = len(data.build_word_tokenizer(data.builtin_split(task, "train")["text"], task))
     return n if preset == "tiny" else max(n, 30522)
@@ -111,7 +111,7 @@ def load_config(name: str | None, preset: str, task: str | None, vocab_size: int
     """(config, task, source) from a preset, a local directory or a hub id; the offline fallback is KNOWN_CONFIGS."""
     from transformers import AutoConfig, BertConfig, GPT2Config, ViTConfig
 
-    from .models import preset_config
+    from ..core.models import preset_config
 
     if name is None:
         task = task or "text-classification"
@@ -157,7 +157,7 @@ def model_spec(config, task: str, name: str, disable_dropout: bool = False) -> M
     from transformers.modeling_utils import set_zero3_state
     from transformers.pytorch_utils import Conv1D
 
-    from .models import AUTO_CLASSES, HEAD_NAMES, transformer_layers  # the heads bnb leaves unquantized
+    from ..core.models import AUTO_CLASSES, HEAD_NAMES, transformer_layers  # the heads bnb leaves unquantized
 
     # Outside ZeRO-3's zero.Init, which transformers enters for every model built while a ZeRO-3 run is set up (the
     # preflight of one): under it these meta tensors would be partitioned to 1-D shards of the real shapes, and
@@ -480,7 +480,7 @@ class Technique:
     optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes) | TORCHAO_STATES' keys | in_backward
     quant: str = "none"  # none | int8 | nf4: base weights quantized, LoRA adapters trained
     dora: bool = False  # the LoRA adapters as DoRA: one trained magnitude per adapted output beside A and B
-    loss_chunk: int = 0  # causal LM: tokens per chunk of the chunked loss (shared/chunked_loss.py); 0: plain loss
+    loss_chunk: int = 0  # causal LM: tokens per chunk of the chunked loss (techniques/chunked_loss.py); 0: plain
     args: tuple[str, ...] = ()
     speed: float = 1.0  # relative step time (prior, see docs/planner.md), before the precision and checkpointing
     splits_sequence: bool = False  # each device holds seq/N of every sequence (sequence parallel)
@@ -563,9 +563,9 @@ class Prediction:
 def tensor_parallel_bytes(spec: ModelSpec, tp: int, dp: int = 1, shard_vocab: bool = False) -> dict[str, float]:
     """Per-device fp32 parameter, gradient and AdamW-state bytes of recipes/tensor_parallel.py on a (dp, tp) mesh.
 
-    Megatron's split (shared/tensor_parallel.py PLANS): every block's Linear weights and its column-wise biases (q,
-    k, v and the MLP's up projection) hold 1/tp; the row-wise biases, norms, embeddings and head are whole on each
-    process of a TP group (--shard_vocab: the [vocab, hidden] embedding, tied to the head, 1/tp too). dp > 1: FSDP2
+    Megatron's split (shared/techniques/tensor_parallel.py PLANS): every block's Linear weights and its column-wise
+    biases (q, k, v and the MLP's up projection) hold 1/tp; the row-wise biases, norms, embeddings and head are whole on
+    each process of a TP group (--shard_vocab: the [vocab, hidden] embedding, tied to the head, 1/tp too). dp > 1: FSDP2
     then splits everything by dp (evenly: its padding is under a row per tensor)."""
     split = spec.block_linear_numel + spec.layers * (3 * spec.hidden + spec.intermediate)
     if shard_vocab:
@@ -733,11 +733,11 @@ def config_launch(config: str) -> tuple[int, int]:
 
 
 def compat_run(tech: Technique, precision: str, num_processes: int, task: str = "", seq_len: int = 0
-               ) -> compat.Run:
-    """The technique as shared/compat.py's rule table describes a run: what the recipe would check at start-up
+               ) -> rules.Run:
+    """The technique as shared/core/rules.py's rule table describes a run: what the recipe would check at start-up
     (task and seq_len: for the rules that read them; the recipes' default packing, concat, for a causal LM)."""
     sharding = tech.strategy if tech.strategy != "ddp" else ("ddp" if num_processes > 1 else "none")
-    return compat.Run(recipe=tech.recipe, sharding=sharding, launched=sharding,
+    return rules.Run(recipe=tech.recipe, sharding=sharding, launched=sharding,
                       offload={"none": "none", "nvme": "nvme"}.get(tech.offload, "cpu"),
                       num_processes=num_processes, precision="no" if precision == "fp32" else precision,
                       base_weights="full" if tech.quant == "none" else tech.quant, lora=tech.quant != "none",
@@ -792,7 +792,7 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
                 _least_recompute_that_fits(spec, pred, usable, args)
             # The recipe's own start-up check: a command it would refuse is not a plan (e.g. fsdp.py in 1 process).
             run = compat_run(tech, precision, args.num_gpus, spec.task, args.seq_len)
-            why = [f"cannot run: {r}" for r in compat.refusals(run)]
+            why = [f"cannot run: {r}" for r in rules.refusals(run)]
             if tech.splits_sequence and spec.heads % args.num_gpus:  # checked by the recipe once the model loads
                 why.append(f"cannot run: the model's {spec.heads} heads do not split over {args.num_gpus} devices")
             tp = args.num_gpus if tech.tp < 0 else tech.tp
@@ -891,7 +891,7 @@ def nearest_fits(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[str, P
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m shared.plan", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m shared.tools.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_name_or_path", default=None, help="Hub id or local directory; unset: --model_preset.")
     p.add_argument("--model_preset", default="tiny", choices=("tiny", "base"))
