@@ -3,7 +3,8 @@
 Accelerate's mixed_precision="fp8" with the torchao backend (AORecipeKwargs) swaps every nn.Linear for a Float8Linear
 in prepare(), except the first and last Linear and any whose dims are not multiples of 16
 (shared/techniques/fp8.py names the rule; results.json lists what was converted and what was kept). Each
-converted matmul casts its inputs to e4m3 (gradients e5m2) with one dynamic scale per tensor and calls torch._scaled_mm; everything else runs in bf16 autocast.
+converted matmul casts its inputs to e4m3 (gradients e5m2) with one dynamic scale per tensor and calls
+torch._scaled_mm; everything else runs in bf16 autocast.
 It pays only on a GPU with FP8 tensor cores (H100, Ada) and large matmuls: at small sizes the casts cost more than
 the faster matmul saves (docs/fp8.md). On a CPU it runs, for checking, at no gain.
     accelerate launch recipes/fp8.py                                       # tiny BERT on built-in data
