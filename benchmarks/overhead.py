@@ -38,11 +38,13 @@ def _task(task: str, batch: int, seq: int):
     from accelerate import Accelerator
 
     from shared.core.args import parse_args
+    from shared.core.launch import resolve_launch
     from shared.core.tasks import load_task
 
     args = parse_args(["--task", task, "--model_preset", "base", "--per_device_train_batch_size", str(batch),
                        "--max_seq_length", str(seq), "--disable_dropout", "--report_to", "none"])
-    return args, load_task(args, Accelerator(cpu=True))
+    launch = resolve_launch(args, "baseline")
+    return launch, load_task(launch, Accelerator(cpu=True))
 
 
 def _world() -> tuple[int, int]:
@@ -61,9 +63,9 @@ def run_plain(task: str, batch: int, seq: int, steps: int) -> float:
     rank, world = _world()
     if world > 1:
         dist.init_process_group("gloo")
-    args, t = _task(task, batch, seq)
-    torch.manual_seed(args.seed)
-    optimizer, scheduler = optimizer_and_scheduler(args, t.model, steps)
+    launch, t = _task(task, batch, seq)
+    torch.manual_seed(launch.args.seed)
+    optimizer, scheduler = optimizer_and_scheduler(launch, t.model, steps)
     t.model.train()
     model = torch.nn.parallel.DistributedDataParallel(t.model) if world > 1 else t.model
     batches = itertools.islice(itertools.cycle(t.train_dataloader), rank, None, world)  # every world-th batch
@@ -73,7 +75,7 @@ def run_plain(task: str, batch: int, seq: int, steps: int) -> float:
         b = next(batches)
         loss = t.loss(model, b)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), launch.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -85,7 +87,8 @@ def run_trainer(task: str, batch: int, seq: int, steps: int, out: str) -> float:
     """transformers' Trainer on the same model, data and collator (AdamW torch, linear schedule, clipping 1.0)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    args, t = _task(task, batch, seq)
+    launch, t = _task(task, batch, seq)
+    args = launch.args
     times: list[float] = []
 
     class Clock(TrainerCallback):
@@ -100,7 +103,7 @@ def run_trainer(task: str, batch: int, seq: int, steps: int, out: str) -> float:
             self.last = now
 
     targs = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=steps,
-                              learning_rate=args.learning_rate, weight_decay=args.weight_decay, max_grad_norm=1.0,
+                              learning_rate=launch.learning_rate, weight_decay=args.weight_decay, max_grad_norm=1.0,
                               lr_scheduler_type="linear", optim="adamw_torch", report_to=[], save_strategy="no",
                               logging_strategy="no", use_cpu=True, seed=args.seed, dataloader_num_workers=0,
                               remove_unused_columns=False, disable_tqdm=True,

@@ -84,29 +84,29 @@ def main(argv=None) -> dict:
                "lora": "--lora", "dora": "--use_dora", "optimizer": f"--optim {args.optim}"})
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
-        mixed_precision=args.mixed_precision,
+        mixed_precision=launch.mixed_precision,
         # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
-        project_dir=args.output_dir,
+        project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
         dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
         deepspeed_plugin=plugin,  # None: the launch config's sharding (DDP, FSDP) or none
     )
-    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     # The technique's library, imported once the launch is known to be valid: --help and a refused launch
     # need not wait for its import (seconds).
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
     sharded = launch.run.sharded_params  # ZeRO-3 or FSDP: they place the (quantized) shards themselves
-    task = load_task(args, accelerator)
+    task = load_task(launch, accelerator)
 
     if args.load_in != "full":
         # Quantized base weights (bitsandbytes), loaded from a checkpoint: the given one, or the preset written out.
-        base_dir = args.model_name_or_path or str(Path(args.output_dir) / "base_model")
+        base_dir = args.model_name_or_path or str(Path(launch.output_dir) / "base_model")
         if not args.model_name_or_path:
             with gathered_parameters(task.model):  # ZeRO-3 built it partitioned: gather the whole weights to write them
                 if accelerator.is_main_process:
@@ -134,23 +134,23 @@ def main(argv=None) -> dict:
             r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear", use_dora=args.use_dora,
             modules_to_save=[h for h in head_names(task.model) if h != "lm_head"] or None))  # new heads train fully
 
-    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    max_steps = total_steps(launch, accelerator, task.train_dataloader)
     optim_cls = torch.optim.AdamW
     if args.optim == "adamw_8bit":
         import bitsandbytes as bnb
 
         optim_cls = bnb.optim.AdamW8bit
-    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps, optimizer_cls=optim_cls)
+    optimizer, scheduler = optimizer_and_scheduler(launch, task.model, max_steps, optimizer_cls=optim_cls)
 
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
     if plugin is not None:
         schedule_the_optimizer_that_steps(model, scheduler)  # else, after a resume with offload, the LR freezes
-    start_step, consumed = resume(accelerator, args)
+    start_step, consumed = resume(accelerator, launch)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
-    meter = Meter(accelerator, args, task, model, optimizer)
+    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, launch, task, model, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
     if plugin is not None:
         meter.extras.update(deepspeed_summary(accelerator, model))
@@ -173,14 +173,14 @@ def main(argv=None) -> dict:
         else:
             loss = task.loss(model, batch, num_items)
         accelerator.backward(loss)  # under DeepSpeed also clips (gradient_clipping) and steps the optimizer
-        if args.max_grad_norm:
-            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if launch.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), launch.max_grad_norm)
         optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
         guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
 
     extras = {"sharding": sharding_of(accelerator), "offload": offload_of(accelerator), "lora": args.lora,
               "use_dora": args.use_dora, "chunked_loss": args.chunked_loss,
@@ -188,7 +188,7 @@ def main(argv=None) -> dict:
               **quantized_weight_bytes(model),  # ZeRO-3 numels live in ds_numel: its parameters are partitioned
               "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad),
               "total_params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())}
-    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=extras)
+    return finish(accelerator, launch, task, model, eval_dl, meter, extras=extras)
 
 
 if __name__ == "__main__":

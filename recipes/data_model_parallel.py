@@ -70,18 +70,18 @@ def main(argv=None) -> dict:
                             flags={"stages_per_replica": "--pipeline_stages"})
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
-        mixed_precision=args.mixed_precision,
+        mixed_precision=launch.mixed_precision,
         # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
-        project_dir=args.output_dir,
+        project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
         dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
-    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     # The technique's library, imported once the launch is known to be valid: --help and a refused launch
     # need not wait for its import (seconds).
     from torch.distributed import pipelining
@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
     mesh = init_device_mesh(device.type, (replicas, stages), mesh_dim_names=("dp", "pp"))
     dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-    task = load_task(args, accelerator)  # the same seed everywhere: all replicas start identical
+    task = load_task(launch, accelerator)  # the same seed everywhere: all replicas start identical
 
     # The stages of a replica read the same whole batch; replicas read different slices of the global batch.
     pad_id = getattr(task.tokenizer, "pad_token_id", 0) or 0
@@ -115,13 +115,13 @@ def main(argv=None) -> dict:
     tied = tied_weight(stage)
     tie_groups = [dist.new_group([int(mesh.mesh[d, 0]), int(mesh.mesh[d, -1])]) for d in range(replicas)]
 
-    max_steps = total_steps(args, accelerator, train_dl, already_split=True)  # this process's own batches
-    optimizer, scheduler = optimizer_and_scheduler(args, stage, max_steps)
+    max_steps = total_steps(launch, accelerator, train_dl, already_split=True)  # this process's own batches
+    optimizer, scheduler = optimizer_and_scheduler(launch, stage, max_steps)
     checkpoint_per_process(accelerator, stage, optimizer, scheduler)  # each process saves its own stage
-    start_step, consumed = resume(accelerator, args)
+    start_step, consumed = resume(accelerator, launch)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, args, task, stage, optimizer)  # --preflight: print the resolved run, stop
-    meter = Meter(accelerator, args, task, stage, optimizer)
+    stop_if_preflight(accelerator, launch, task, stage, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, launch, task, stage, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     stage.train()
@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
                 dist.all_reduce(p.grad, group=dp_group)
         if tied is not None:
             dist.all_reduce(tied.grad, group=tie_groups[dp_rank])
-        norm = clip_global_grad_norm(stage, args.max_grad_norm, pp_group, skip=tied if stage.is_last else None)
+        norm = clip_global_grad_norm(stage, launch.max_grad_norm, pp_group, skip=tied if stage.is_last else None)
         meter.extras.setdefault("first_step_grad_norm", norm)
         optimizer.step()
         scheduler.step()
@@ -155,7 +155,7 @@ def main(argv=None) -> dict:
         meter.record(step, loss, batch if stage.is_last else [])  # each sample counted once
         guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
 
     flat = torch.cat([p.detach().reshape(-1) for p in stage.parameters()])
     mean = flat.clone()
@@ -169,10 +169,10 @@ def main(argv=None) -> dict:
               "max_param_diff_between_replicas": spread.item()}
     last = int(mesh.mesh[dp_rank, -1])
     metrics = evaluate(task, schedule, stage, eval_dl, item_count, last, pp_group=pp_group, dp_group=dp_group)
-    results = collect_results(accelerator, args, RECIPE, task, meter, metrics, extras)
+    results = collect_results(accelerator, launch, task, meter, metrics, extras)
     if not args.no_save_model:  # one replica saves: they are identical
-        save_stage_shards(accelerator, args.output_dir, task, stage, pp_rank, stages, tied, write=dp_rank == 0)
-    return write_results(accelerator, args, results)
+        save_stage_shards(accelerator, launch.output_dir, task, stage, pp_rank, stages, tied, write=dp_rank == 0)
+    return write_results(accelerator, launch, results)
 
 
 if __name__ == "__main__":

@@ -57,30 +57,30 @@ def main(argv=None) -> dict:
     launch = resolve_launch(args, RECIPE)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
-        mixed_precision=args.mixed_precision,
+        mixed_precision=launch.mixed_precision,
         # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
-        project_dir=args.output_dir,
+        project_dir=launch.output_dir,
         kwargs_handlers=[*launch.kwargs_handlers, ddp],  # a timeout for collectives; gloo on a CPU-only machine
         dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
-    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
-    task = load_task(args, accelerator)
-    max_steps = total_steps(args, accelerator, task.train_dataloader)
-    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
+    start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    task = load_task(launch, accelerator)
+    max_steps = total_steps(launch, accelerator, task.train_dataloader)
+    optimizer, scheduler = optimizer_and_scheduler(launch, task.model, max_steps)
 
     # prepare() wraps the model in DistributedDataParallel and gives each process its own slice of every batch.
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
-    start_step, consumed = resume(accelerator, args)
+    start_step, consumed = resume(accelerator, launch)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
-    meter = Meter(accelerator, args, task, model, optimizer)
+    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, launch, task, model, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     model.train()
@@ -91,15 +91,15 @@ def main(argv=None) -> dict:
         num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
         loss = task.loss(model, batch, num_items)
         accelerator.backward(loss)  # DDP all-reduces (averages) the gradients during backward
-        if args.max_grad_norm:
-            norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if launch.max_grad_norm:
+            norm = accelerator.clip_grad_norm_(model.parameters(), launch.max_grad_norm)
             meter.extras.setdefault("first_step_grad_norm", norm.item())  # what other layouts must reproduce
         optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
         guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
 
     # Throughput of each process on its own slice, and of all of them together against one process.
     per_process = gather_object([meter.samples / meter.elapsed if meter.elapsed else None])
@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
         extras.update(scaling_vs_1_process=speedup, scaling_efficiency=speedup / accelerator.num_processes)
         accelerator.print(f"{accelerator.num_processes} processes: {speedup:.2f}x the samples/s of 1 process "
                           f"({100 * speedup / accelerator.num_processes:.0f}% scaling efficiency)")
-    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras)
+    return finish(accelerator, launch, task, model, eval_dl, meter, extras)
 
 if __name__ == "__main__":
     main()

@@ -47,33 +47,33 @@ def main(argv=None) -> dict:
     launch = resolve_launch(args, RECIPE, default_mixed_precision="fp8")
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
-        mixed_precision=args.mixed_precision,
+        mixed_precision=launch.mixed_precision,
         # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
-        project_dir=args.output_dir,
+        project_dir=launch.output_dir,
         # torchao's float8 (imported by AORecipeKwargs, after resolve_launch has silenced its load noise):
         # the default filter keeps the first/last Linear and dims not multiple of 16 in high precision.
         kwargs_handlers=[*launch.kwargs_handlers, AORecipeKwargs()],  # + a timeout for collectives
         dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
-    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     check_fp8_resolved(accelerator)  # Accelerate turns fp8 into fp16 on an older GPU: stop instead
-    task = load_task(args, accelerator)
-    max_steps = total_steps(args, accelerator, task.train_dataloader)
-    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
+    task = load_task(launch, accelerator)
+    max_steps = total_steps(launch, accelerator, task.train_dataloader)
+    optimizer, scheduler = optimizer_and_scheduler(launch, task.model, max_steps)
 
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )  # prepare() converts the Linears to Float8Linear in place (same Parameters: the optimizer still holds them)
     fp8 = fp8_summary(accelerator, model)  # what was converted and kept; stops if nothing was
-    start_step, consumed = resume(accelerator, args)
+    start_step, consumed = resume(accelerator, launch)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
-    meter = Meter(accelerator, args, task, model, optimizer)
+    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, launch, task, model, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     model.train()
@@ -84,16 +84,16 @@ def main(argv=None) -> dict:
         num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
         loss = task.loss(model, batch, num_items)
         accelerator.backward(loss)
-        if args.max_grad_norm:
-            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if launch.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), launch.max_grad_norm)
         optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
         guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
 
-    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=fp8)
+    return finish(accelerator, launch, task, model, eval_dl, meter, extras=fp8)
 
 
 if __name__ == "__main__":

@@ -49,18 +49,18 @@ def main(argv=None) -> dict:
     launch = resolve_launch(args, RECIPE, optimizer="bnb_adamw_8bit", flags={"optimizer": "the 8-bit optimizer"})
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
-        mixed_precision=args.mixed_precision,
+        mixed_precision=launch.mixed_precision,
         # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
-        project_dir=args.output_dir,
+        project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
         dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
-    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     # The technique's library, imported once the launch is known to be valid: --help and a refused launch
     # need not wait for its import (seconds).
     import bitsandbytes as bnb
@@ -68,11 +68,11 @@ def main(argv=None) -> dict:
         # bitsandbytes would warn and silently allocate ordinary memory: nothing would be paged.
         raise SystemExit(f"--paged needs a CUDA device (unified memory); this run is on {accelerator.device.type}. "
                          "Drop --paged (plain AdamW8bit saves the same state bytes) or run on a CUDA GPU.")
-    task = load_task(args, accelerator)
-    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    task = load_task(launch, accelerator)
+    max_steps = total_steps(launch, accelerator, task.train_dataloader)
     # The technique: bitsandbytes' 8-bit AdamW, same hyperparameters and parameter groups as torch AdamW.
     optim_cls = bnb.optim.PagedAdamW8bit if args.paged else bnb.optim.AdamW8bit
-    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps, optimizer_cls=optim_cls)
+    optimizer, scheduler = optimizer_and_scheduler(launch, task.model, max_steps, optimizer_cls=optim_cls)
     for group in optimizer.param_groups:
         group["min_8bit_size"] = args.min_8bit_size
         group["percentile_clipping"] = args.percentile_clipping
@@ -80,10 +80,10 @@ def main(argv=None) -> dict:
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
-    start_step, consumed = resume(accelerator, args)
+    start_step, consumed = resume(accelerator, launch)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
-    meter = Meter(accelerator, args, task, model, optimizer)
+    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, launch, task, model, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     model.train()
@@ -94,14 +94,14 @@ def main(argv=None) -> dict:
         num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
         loss = task.loss(model, batch, num_items)
         accelerator.backward(loss)
-        if args.max_grad_norm:
-            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if launch.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), launch.max_grad_norm)
         optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
         guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
 
     # What was really 8-bit: state1 is uint8 for 8-bit tensors, float32 for the small ones.
     states = [s for s in optimizer.optimizer.state.values() if "state1" in s]
@@ -110,7 +110,7 @@ def main(argv=None) -> dict:
         "tensors_with_32bit_state": sum(s["state1"].dtype != torch.uint8 for s in states),
         "paged_state_buffers": sum(getattr(s["state1"], "is_paged", False) for s in states),
     }
-    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=extras)
+    return finish(accelerator, launch, task, model, eval_dl, meter, extras=extras)
 
 
 if __name__ == "__main__":

@@ -42,33 +42,33 @@ def main(argv=None) -> dict:
     launch = resolve_launch(args, RECIPE, optimizer="adamw_in_backward")
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
-        mixed_precision=args.mixed_precision,
+        mixed_precision=launch.mixed_precision,
         # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
-        project_dir=args.output_dir,
+        project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
         dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
-    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
-    task = load_task(args, accelerator)
-    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    task = load_task(launch, accelerator)
+    max_steps = total_steps(launch, accelerator, task.train_dataloader)
     # The technique: one AdamW per parameter (the same groups, hyperparameters and schedule as the baseline's one),
     # each stepped by its parameter's post-accumulate-grad hook, which then frees that gradient.
-    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps, optimizer_cls=OptimizerInBackward)
+    optimizer, scheduler = optimizer_and_scheduler(launch, task.model, max_steps, optimizer_cls=OptimizerInBackward)
     for param in optimizer.params:
         param.register_post_accumulate_grad_hook(optimizer.step_param)
 
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
-    start_step, consumed = resume(accelerator, args)
+    start_step, consumed = resume(accelerator, launch)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
-    meter = Meter(accelerator, args, task, model, optimizer)
+    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, launch, task, model, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     model.train()
@@ -82,11 +82,11 @@ def main(argv=None) -> dict:
         scheduler.step()  # the next step's lr, in every per-parameter optimizer
         meter.record(step, loss, batch)
         guard.check(step)  # a non-finite loss: stop, state saved
-        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
 
     # Gradient bytes at their peak, counted in the hooks, beside the whole model's (what a step after backward holds).
     extras = optimizer.optimizer.grad_bytes_report()
-    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=extras)
+    return finish(accelerator, launch, task, model, eval_dl, meter, extras=extras)
 
 
 if __name__ == "__main__":

@@ -66,28 +66,29 @@ def main(argv=None) -> dict:
     if args.gradient_accumulation_steps != 1:
         raise SystemExit("--gradient_accumulation_steps: the micro-batches already accumulate; raise "
                          "--n_microbatches and the batch size instead.")
-    args.per_device_eval_batch_size = args.per_device_train_batch_size  # the same micro-batch shape in evaluation
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
-        mixed_precision=args.mixed_precision,
+        mixed_precision=launch.mixed_precision,
         # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
-        project_dir=args.output_dir,
+        project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
         dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
-    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     # The technique's library, imported once the launch is known to be valid: --help and a refused launch
     # need not wait for its import (seconds).
     from torch.distributed import pipelining
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    task = load_task(args, accelerator)  # the same seed on every process: each stage starts as the same model
+    # The same micro-batch shape in evaluation as in training; the same seed on every process: each stage starts as
+    # the same model.
+    task = load_task(launch, accelerator, eval_batch_size=args.per_device_train_batch_size)
 
     # Every stage reads the whole batch, in the order a 1-process run would (not a per-process slice).
     pad_id = getattr(task.tokenizer, "pad_token_id", 0) or 0
@@ -115,13 +116,13 @@ def main(argv=None) -> dict:
     tied = tied_weight(stage)
     tie_group = dist.new_group([0, world - 1])  # every process takes part in creating a group
 
-    max_steps = total_steps(args, accelerator, train_dl, already_split=True)  # this process's own batches
-    optimizer, scheduler = optimizer_and_scheduler(args, stage, max_steps)
+    max_steps = total_steps(launch, accelerator, train_dl, already_split=True)  # this process's own batches
+    optimizer, scheduler = optimizer_and_scheduler(launch, stage, max_steps)
     checkpoint_per_process(accelerator, stage, optimizer, scheduler)  # each process saves its own stage
-    start_step, consumed = resume(accelerator, args)
+    start_step, consumed = resume(accelerator, launch)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, args, task, stage, optimizer)  # --preflight: print the resolved run, stop
-    meter = Meter(accelerator, args, task, stage, optimizer)
+    stop_if_preflight(accelerator, launch, task, stage, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, launch, task, stage, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     stage.train()
@@ -138,7 +139,7 @@ def main(argv=None) -> dict:
             schedule.step(**mask)
         if tied is not None:
             dist.all_reduce(tied.grad, group=tie_group)
-        norm = clip_global_grad_norm(stage, args.max_grad_norm, skip=tied if stage.is_last else None)
+        norm = clip_global_grad_norm(stage, launch.max_grad_norm, skip=tied if stage.is_last else None)
         meter.extras.setdefault("first_step_grad_norm", norm)
         optimizer.step()
         scheduler.step()
@@ -148,17 +149,17 @@ def main(argv=None) -> dict:
         meter.record(step, loss, batch if stage.is_last else [])
         guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
 
     metrics = evaluate(task, schedule, stage, eval_dl, item_count, last_rank=world - 1)
     params = gather_object([sum(p.numel() for p in stage.parameters())])
     extras = {"schedule": args.schedule, "n_microbatches": args.n_microbatches,
               "stage_layers": gather_object([[layers.start, layers.stop]]), "stage_param_count": params,
               "tied_weight_copies": 2 if tied is not None else 0}
-    results = collect_results(accelerator, args, RECIPE, task, meter, metrics, extras)
+    results = collect_results(accelerator, launch, task, meter, metrics, extras)
     if not args.no_save_model:
-        save_stage_shards(accelerator, args.output_dir, task, stage, rank, world, tied)
-    return write_results(accelerator, args, results)
+        save_stage_shards(accelerator, launch.output_dir, task, stage, rank, world, tied)
+    return write_results(accelerator, launch, results)
 
 
 if __name__ == "__main__":

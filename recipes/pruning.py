@@ -121,8 +121,8 @@ def apply_sparsity(model, targets, sparsity, args) -> None:
             prune.custom_from_mask(m, "weight", mask)
 
 
-def cubic_sparsity(step: int, args) -> float:
-    t = min(max(step - args.pruning_start_step, 0) / max(1, args.pruning_end_step - args.pruning_start_step), 1.0)
+def cubic_sparsity(step: int, args, end_step: int) -> float:
+    t = min(max(step - args.pruning_start_step, 0) / max(1, end_step - args.pruning_start_step), 1.0)
     return args.target_sparsity * (1 - (1 - t) ** 3)
 
 
@@ -133,56 +133,56 @@ def main(argv=None) -> dict:
     launch = resolve_launch(args, RECIPE)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
-        mixed_precision=args.mixed_precision,
+        mixed_precision=launch.mixed_precision,
         # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
-        project_dir=args.output_dir,
+        project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
         dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
-    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
-    task = load_task(args, accelerator)
-    max_steps = total_steps(args, accelerator, task.train_dataloader)
-    args.pruning_end_step = args.pruning_end_step or max(args.pruning_start_step + 1, int(0.7 * max_steps))
-    args.pruning_frequency = args.pruning_frequency or max(1, (args.pruning_end_step - args.pruning_start_step) // 10)
-    if not args.pruning_start_step < args.pruning_end_step <= max_steps:
+    start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    task = load_task(launch, accelerator)
+    max_steps = total_steps(launch, accelerator, task.train_dataloader)
+    end_step = args.pruning_end_step or max(args.pruning_start_step + 1, int(0.7 * max_steps))
+    frequency = args.pruning_frequency or max(1, (end_step - args.pruning_start_step) // 10)
+    if not args.pruning_start_step < end_step <= max_steps:
         raise SystemExit(f"Need --pruning_start_step < --pruning_end_step <= training steps ({max_steps}); got "
-                         f"{args.pruning_start_step} and {args.pruning_end_step}. Adjust them or --max_train_steps.")
-    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
+                         f"{args.pruning_start_step} and {end_step}. Adjust them or --max_train_steps.")
+    optimizer, scheduler = optimizer_and_scheduler(launch, task.model, max_steps)
 
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
     targets = prunable(accelerator.unwrap_model(model), args.pruning_structure)
-    start_step, consumed = resume(accelerator, args)
+    start_step, consumed = resume(accelerator, launch)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
-    meter = Meter(accelerator, args, task, model, optimizer)
+    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, launch, task, model, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     model.train()
     for step in meter.steps(start_step, max_steps):
         # The technique: at each pruning step, re-prune to the schedule's sparsity (same weights on every process).
-        if step <= args.pruning_end_step and (step - args.pruning_start_step) % args.pruning_frequency == 0:
-            apply_sparsity(accelerator.unwrap_model(model), targets, cubic_sparsity(step, args), args)
+        if step <= end_step and (step - args.pruning_start_step) % frequency == 0:
+            apply_sparsity(accelerator.unwrap_model(model), targets, cubic_sparsity(step, args, end_step), args)
         batch = next(batches)
         # Normalize by the items (target tokens or samples) of the global batch: gradients are averaged over
         # processes, and each process's own mean would weigh a token differently from one big batch.
         num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
         loss = task.loss(model, batch, num_items)
         accelerator.backward(loss)
-        if args.max_grad_norm:
-            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if launch.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), launch.max_grad_norm)
         optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
         guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
 
     # Make it permanent: the final masks are folded into the weights and the pruning hooks removed.
     apply_sparsity(accelerator.unwrap_model(model), targets, args.target_sparsity, args)
@@ -195,7 +195,7 @@ def main(argv=None) -> dict:
               "achieved_sparsity": sum(zeros.values()) / sum(sizes.values()),
               "sparsity_per_layer": {name: zeros[name] / sizes[name] for name in zeros},
               "pruned_weights": sum(zeros.values())}
-    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=extras)
+    return finish(accelerator, launch, task, model, eval_dl, meter, extras=extras)
 
 
 if __name__ == "__main__":

@@ -42,24 +42,24 @@ def main(argv=None) -> dict:
     launch = resolve_launch(args, RECIPE)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
-        mixed_precision=args.mixed_precision,
+        mixed_precision=launch.mixed_precision,
         # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
-        project_dir=args.output_dir,
+        project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
         dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
-    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     # The technique's library, imported once the launch is known to be valid: --help and a refused launch
     # need not wait for its import (seconds).
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
-    task = load_task(args, accelerator)
+    task = load_task(launch, accelerator)
     model = task.model.to(accelerator.device).eval()
-    stop_if_preflight(accelerator, args, task, model, None)  # --preflight: print the resolved run, stop
+    stop_if_preflight(accelerator, launch, task, model, None)  # --preflight: print the resolved run, stop
     before = task.evaluate(model, task.eval_dataloader, accelerator)
     fp32_bytes = dir_bytes(args.model_name_or_path) if Path(args.model_name_or_path).is_dir() else None
 
@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
               filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn.startswith(blocks + "."))
     after = task.evaluate(model, task.eval_dataloader, accelerator)
 
-    out = Path(args.output_dir)
+    out = Path(launch.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), out / "quantized_model.pt")
     task.save_preprocessing(str(out))

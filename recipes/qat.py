@@ -54,24 +54,24 @@ def main(argv=None) -> dict:
     launch = resolve_launch(args, RECIPE)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
-        mixed_precision=args.mixed_precision,
+        mixed_precision=launch.mixed_precision,
         # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
-        project_dir=args.output_dir,
+        project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
         dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
-    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     # The technique's library, imported once the launch is known to be valid: --help and a refused launch
     # need not wait for its import (seconds).
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
     from torchao.quantization.granularity import PerGroup
     from torchao.quantization.qat import QATConfig
-    task = load_task(args, accelerator)
+    task = load_task(launch, accelerator)
     model = conv1d_to_linear(task.model)  # GPT-2's Conv1D layers become nn.Linear, which torchao quantizes
     blocks = next(name for name, m in model.named_modules() if m is transformer_layers(model))
     in_blocks = lambda m, fqn: isinstance(m, nn.Linear) and fqn.startswith(blocks + ".")  # noqa: E731
@@ -86,8 +86,8 @@ def main(argv=None) -> dict:
     fp32_bytes = serialized_bytes(model.state_dict())
     quantize_(model, QATConfig(scheme, step="prepare"), filter_fn=in_blocks)
 
-    max_steps = total_steps(args, accelerator, task.train_dataloader)
-    optimizer, scheduler = optimizer_and_scheduler(args, model, max_steps)
+    max_steps = total_steps(launch, accelerator, task.train_dataloader)
+    optimizer, scheduler = optimizer_and_scheduler(launch, model, max_steps)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
@@ -98,10 +98,10 @@ def main(argv=None) -> dict:
     quantize_(start_model, scheme, filter_fn=in_blocks)  # PTQ: the same scheme, no training
     extras.update(prefixed(task.evaluate(start_model, eval_dl, accelerator), "ptq"))
     del start_model
-    start_step, consumed = resume(accelerator, args)
+    start_step, consumed = resume(accelerator, launch)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
-    meter = Meter(accelerator, args, task, model, optimizer)
+    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, launch, task, model, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     model.train()
@@ -112,14 +112,14 @@ def main(argv=None) -> dict:
         num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
         loss = task.loss(model, batch, num_items)
         accelerator.backward(loss)
-        if args.max_grad_norm:
-            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if launch.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), launch.max_grad_norm)
         optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
         guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
 
     extras.update(prefixed(task.evaluate(model, eval_dl, accelerator), "fake_quant"))
     # Convert: the fake-quantized layers become real int8-activation / intN-weight layers (finish evaluates them).
@@ -127,15 +127,14 @@ def main(argv=None) -> dict:
     extras["quantized_layers"] = sum(type(m.weight).__name__ != "Parameter" and "Tensor" in type(m.weight).__name__
                                      for m in accelerator.unwrap_model(model).modules() if isinstance(m, nn.Linear))
     extras["fp32_state_dict_bytes"] = fp32_bytes
-    save, args.no_save_model = not args.no_save_model, True  # the converted model is saved below, not by finish
-    if save and accelerator.is_main_process:
-        path = Path(args.output_dir) / "quantized_model.pt"
+    if not args.no_save_model and accelerator.is_main_process:  # the converted model, saved here and not by finish
+        path = Path(launch.output_dir) / "quantized_model.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(accelerator.unwrap_model(model).state_dict(), path)
-        task.save_preprocessing(args.output_dir)
+        task.save_preprocessing(launch.output_dir)
         extras["quantized_model_bytes_on_disk"] = path.stat().st_size
     extras["quantized_state_dict_bytes"] = serialized_bytes(accelerator.unwrap_model(model).state_dict())
-    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=extras)
+    return finish(accelerator, launch, task, model, eval_dl, meter, extras=extras, save=False)
 
 
 if __name__ == "__main__":

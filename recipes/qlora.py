@@ -82,25 +82,25 @@ def main(argv=None) -> dict:
                "spread_devices": "--device_map auto", "merge_unsaved": "--merge"})
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
-        mixed_precision=args.mixed_precision,
+        mixed_precision=launch.mixed_precision,
         # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
-        project_dir=args.output_dir,
+        project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
         dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
-    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     # The technique's library, imported once the launch is known to be valid: --help and a refused launch
     # need not wait for its import (seconds).
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
     sharded = launch.run.sharded_params  # ZeRO-3 or FSDP: they place the (quantized) shards themselves
-    task = load_task(args, accelerator)
-    out = Path(args.output_dir)
+    task = load_task(launch, accelerator)
+    out = Path(launch.output_dir)
 
     # The base checkpoint to quantize: the given one, or the preset model written out once.
     base_dir = args.model_name_or_path or str(out / "base_model")
@@ -152,16 +152,16 @@ def main(argv=None) -> dict:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
 
-    max_steps = total_steps(args, accelerator, task.train_dataloader)
-    optimizer, scheduler = optimizer_and_scheduler(args, model, max_steps)  # trainable (adapter) parameters only
+    max_steps = total_steps(launch, accelerator, task.train_dataloader)
+    optimizer, scheduler = optimizer_and_scheduler(launch, model, max_steps)  # trainable (adapter) parameters only
 
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
-    start_step, consumed = resume(accelerator, args)
+    start_step, consumed = resume(accelerator, launch)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
-    meter = Meter(accelerator, args, task, model, optimizer)
+    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, launch, task, model, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
     grad_checks = []
 
@@ -175,14 +175,14 @@ def main(argv=None) -> dict:
         accelerator.backward(loss)
         if len(grad_checks) < 2:  # LoRA B starts at zero: B gets gradients at once, A from the second backward
             grad_checks.append(lora_grad_report(model))
-        if args.max_grad_norm:
-            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if launch.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), launch.max_grad_norm)
         optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
         guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
 
     extras = {"bits": args.bits, "bnb_4bit_quant_type": args.bnb_4bit_quant_type if args.bits == 4 else None,
               "double_quant": args.bits == 4 and not args.no_double_quant,
@@ -198,8 +198,7 @@ def main(argv=None) -> dict:
               / max(1, weight_bytes["same_weights_bf16_bytes"])}
 
     # The adapter (and a trained head) is what this run produces; the quantized base is not saved.
-    save, args.no_save_model = not args.no_save_model, True
-    if save:
+    if not args.no_save_model:
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             accelerator.unwrap_model(model).save_pretrained(out / "adapter")
@@ -214,7 +213,7 @@ def main(argv=None) -> dict:
                 task.save_preprocessing(str(out / "merged"))
                 extras["merged_dir"] = str(out / "merged")
         accelerator.wait_for_everyone()
-    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras=extras)
+    return finish(accelerator, launch, task, model, eval_dl, meter, extras=extras, save=False)  # the adapter, above
 
 
 if __name__ == "__main__":

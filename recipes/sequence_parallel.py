@@ -48,33 +48,33 @@ def main(argv=None) -> dict:
     launch = resolve_launch(args, RECIPE, task=args.task, seq_len=args.max_seq_length)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
-        mixed_precision=args.mixed_precision,
+        mixed_precision=launch.mixed_precision,
         # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
-        project_dir=args.output_dir,
+        project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
         dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
-    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
-    task = load_task(args, accelerator)
+    start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    task = load_task(launch, accelerator)
     rank, world = accelerator.process_index, accelerator.num_processes
     sp.enable(task.model, world)  # attention through DeepSpeed's all-to-all (refuses heads that do not split)
     # Every process reads the same whole batches (and keeps its chunk of each sequence in the loop).
     train_dl = prepare_data_loader(task.train_dataloader, accelerator.device, num_processes=1, process_index=0,
                                    use_seedable_sampler=True)
-    max_steps = total_steps(args, accelerator, train_dl, already_split=True)
-    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
+    max_steps = total_steps(launch, accelerator, train_dl, already_split=True)
+    optimizer, scheduler = optimizer_and_scheduler(launch, task.model, max_steps)
 
     # DDP: the replicated weights' gradients, each process's share of the sum, averaged over the processes.
     model, optimizer, eval_dl, scheduler = accelerator.prepare(task.model, optimizer, task.eval_dataloader, scheduler)
-    start_step, consumed = resume(accelerator, args)
+    start_step, consumed = resume(accelerator, launch)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
-    meter = Meter(accelerator, args, task, model, optimizer)
+    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, launch, task, model, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     model.train()
@@ -86,8 +86,8 @@ def main(argv=None) -> dict:
         chunk = sp.shard(batch, rank, world)  # this process's part of each sequence, labels shifted before the cut
         loss = sp.loss(model, chunk, num_items)
         accelerator.backward(loss)
-        if args.max_grad_norm:
-            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if launch.max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), launch.max_grad_norm)
         optimizer.step()
         scheduler.step()
         # Each process's loss is its share of the whole batch's: the meter's one logging collective averages them into
@@ -95,9 +95,9 @@ def main(argv=None) -> dict:
         meter.record(step, loss, batch if accelerator.is_main_process else [])
         guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
 
-    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter, extras={"sequence_parallel_size": world})
+    return finish(accelerator, launch, task, model, eval_dl, meter, extras={"sequence_parallel_size": world})
 
 
 if __name__ == "__main__":

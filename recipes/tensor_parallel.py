@@ -71,23 +71,23 @@ def main(argv=None) -> dict:
     check_flags(args)  # what this version does not do yet (fp16), with the way round it
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
-        mixed_precision=args.mixed_precision,
+        mixed_precision=launch.mixed_precision,
         # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
-        project_dir=args.output_dir,
+        project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
         dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
-    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     device = accelerator.device
     dp, tp = mesh_shape(accelerator.num_processes, args.tp_size)
-    task = load_task(args, accelerator)  # the same seed on every process: each starts from the same whole model
+    task = load_task(launch, accelerator)  # the same seed on every process: each starts from the same whole model
     model = task.model.to(device)
 
     # ---- the technique: a (dp, tp) mesh, rank = dp_rank * tp + tp_rank; each block's matrices split over "tp"
@@ -113,13 +113,13 @@ def main(argv=None) -> dict:
                                              use_seedable_sampler=True)
                          for dl in (task.train_dataloader, task.eval_dataloader))
 
-    max_steps = total_steps(args, accelerator, train_dl, already_split=True)  # this process's own batches
-    optimizer, scheduler = optimizer_and_scheduler(args, model, max_steps)
+    max_steps = total_steps(launch, accelerator, train_dl, already_split=True)  # this process's own batches
+    optimizer, scheduler = optimizer_and_scheduler(launch, model, max_steps)
     checkpoint_dtensors(accelerator, model, optimizer, scheduler, {"dp": dp, "tp": tp})  # each process its shards
-    start_step, consumed = resume(accelerator, args)
+    start_step, consumed = resume(accelerator, launch)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
-    meter = Meter(accelerator, args, task, model, optimizer)
+    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, launch, task, model, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
 
     model.train()
@@ -134,7 +134,7 @@ def main(argv=None) -> dict:
             loss = task.loss(model, batch, num_items / dp)
             loss.backward()
         loss = plain(loss)
-        norm = clip_grad_norm(model, args.max_grad_norm)  # sharded gradients' squares summed over the processes
+        norm = clip_grad_norm(model, launch.max_grad_norm)  # sharded gradients' squares summed over the processes
         if step == start_step:
             meter.extras["first_step_grad_norm"] = norm.item()
         optimizer.step()
@@ -142,7 +142,7 @@ def main(argv=None) -> dict:
         meter.record(step, loss, batch if mesh["tp"].get_local_rank() == 0 else [])  # each batch counts once
         guard.check(step)  # a non-finite loss: stop
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=step + 1)
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
 
     with accelerator.autocast():
         metrics = task.evaluate(model, eval_dl, accelerator)
@@ -150,10 +150,10 @@ def main(argv=None) -> dict:
               "global_batch_size": args.per_device_train_batch_size * dp, "tp_plan": PLANS[family],
               "first_batch_label_sum": gather_object([meter.extras.pop("first_batch_label_sum", None)]),
               "local_param_counts": gather_object([local_param_counts(model)])}  # per process: its shards + the rest
-    results = collect_results(accelerator, args, RECIPE, task, meter, metrics, extras)
+    results = collect_results(accelerator, launch, task, meter, metrics, extras)
     if not args.no_save_model:
-        save_consolidated(accelerator, model, task, args.output_dir, tp)
-    return write_results(accelerator, args, results)
+        save_consolidated(accelerator, model, task, launch.output_dir, tp)
+    return write_results(accelerator, launch, results)
 
 
 if __name__ == "__main__":

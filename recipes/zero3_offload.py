@@ -66,33 +66,33 @@ def main(argv=None) -> dict:
     launch = resolve_launch(args, RECIPE, deepspeed_config=ds_config)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
-        mixed_precision=args.mixed_precision,
+        mixed_precision=launch.mixed_precision,
         # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
-        project_dir=args.output_dir,
+        project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
         dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
         deepspeed_plugin=plugin,
     )
-    start_run(accelerator, args, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
-    task = load_task(args, accelerator)  # after the Accelerator: ZeRO-3 partitions the model as it is built
-    max_steps = total_steps(args, accelerator, task.train_dataloader)
+    start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
+    task = load_task(launch, accelerator)  # after the Accelerator: ZeRO-3 partitions the model as it is built
+    max_steps = total_steps(launch, accelerator, task.train_dataloader)
     # With offload Accelerate swaps this AdamW for DeepSpeedCPUAdam (same update, run on the CPU copies).
-    optimizer, scheduler = optimizer_and_scheduler(args, task.model, max_steps)
+    optimizer, scheduler = optimizer_and_scheduler(launch, task.model, max_steps)
 
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
     schedule_the_optimizer_that_steps(model, scheduler)  # else, after a resume with offload, the learning rate freezes
-    start_step, consumed = resume(accelerator, args)
+    start_step, consumed = resume(accelerator, launch)
     k = args.gradient_accumulation_steps
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, args, task, model, optimizer)  # --preflight: print the resolved run, stop
-    meter = Meter(accelerator, args, task, model, optimizer)
+    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    meter = Meter(accelerator, launch, task, model, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
     meter.extras.update(deepspeed_summary(accelerator, model))
     count_model_states_at_first_step(meter, model, optimizer)  # ZeRO frees gradients inside its step
@@ -117,9 +117,9 @@ def main(argv=None) -> dict:
         meter.record(step, step_loss, window)
         guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, args, step + 1, micro_batches=(step + 1) * k)
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=(step + 1) * k)
 
-    return finish(accelerator, args, RECIPE, task, model, eval_dl, meter)
+    return finish(accelerator, launch, task, model, eval_dl, meter)
 
 
 if __name__ == "__main__":

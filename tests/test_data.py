@@ -260,11 +260,20 @@ def test_image_pipeline_loads_the_output_directory(tmp_path):
 
 
 # ---------------------------------------------------------------- 6. the learning-rate default
-def test_learning_rate_default_fits_what_is_trained():
+def test_learning_rate_default_fits_what_is_trained(tmp_path):
+    """Resolved by the launch, not when parsed: a copied recipe that sets args.model_name_or_path after parse_args
+    gets the pretrained default."""
     from shared.core.args import FROM_SCRATCH_LR, PRETRAINED_LR, parse_args
+    from shared.core.launch import resolve_launch
 
-    assert parse_args([]).learning_rate == FROM_SCRATCH_LR == 1e-3
-    assert parse_args(["--model_name_or_path", "gpt2"]).learning_rate == PRETRAINED_LR == 5e-5
-    assert parse_args(["--model_name_or_path", "gpt2", "--learning_rate", "2e-4"]).learning_rate == 2e-4
-    assert parse_args(["--model_name_or_path", "gpt2"], learning_rate=1e-4).learning_rate == 1e-4  # a recipe's own
-    assert "learning_rate" not in parse_args([]).explicit_flags
+    def lr(argv, **defaults):
+        return resolve_launch(parse_args([*argv, "--output_dir", str(tmp_path)], **defaults), "baseline").learning_rate
+
+    assert lr([]) == FROM_SCRATCH_LR == 1e-3
+    assert lr(["--model_name_or_path", "gpt2"]) == PRETRAINED_LR == 5e-5
+    assert lr(["--model_name_or_path", "gpt2", "--learning_rate", "2e-4"]) == 2e-4
+    assert lr(["--model_name_or_path", "gpt2"], learning_rate=1e-4) == 1e-4  # a recipe's own
+    assert parse_args([]).learning_rate is None and "learning_rate" not in parse_args([]).explicit_flags
+    adapted = parse_args(["--output_dir", str(tmp_path)])
+    adapted.model_name_or_path = "gpt2"  # a copied recipe's own default model, set after parsing
+    assert resolve_launch(adapted, "baseline").learning_rate == PRETRAINED_LR

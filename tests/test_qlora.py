@@ -86,10 +86,11 @@ def test_adapter_reloads_onto_fresh_4bit_base_and_merge(runs, tmp_path_factory):
     from accelerate import Accelerator
 
     from shared.core.args import parse_args
+    from shared.core.launch import resolve_launch
     from shared.core.tasks import load_task
 
     args = parse_args(["--task", "causal-lm", "--model_name_or_path", str(model_dir), *COMMON[:4]])
-    task = load_task(args, Accelerator(cpu=True))
+    task = load_task(resolve_launch(args, "baseline"), Accelerator(cpu=True))
     assert task.evaluate(model, task.eval_dataloader, Accelerator(cpu=True))["eval_loss"] == pytest.approx(
         r["eval_loss"], abs=1e-5)
 
@@ -208,6 +209,7 @@ def test_dora_adds_one_magnitude_per_output_and_reloads(tmp_path):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from shared.core.args import parse_args
+    from shared.core.launch import resolve_launch
     from shared.core.tasks import load_task
 
     args = ("--task", "causal-lm", "--max_train_steps", "6", *COMMON)
@@ -234,7 +236,7 @@ def test_dora_adds_one_magnitude_per_output_and_reloads(tmp_path):
             logits.append(model(**batch).logits)
     assert torch.equal(logits[0], logits[1])
     parsed = parse_args(["--task", "causal-lm", "--model_name_or_path", str(base_dir), *COMMON[:4]])
-    task = load_task(parsed, Accelerator(cpu=True))
+    task = load_task(resolve_launch(parsed, "baseline"), Accelerator(cpu=True))
     assert task.evaluate(model, task.eval_dataloader, Accelerator(cpu=True))["eval_loss"] == pytest.approx(
         dora["eval_loss"], abs=1e-5)
 

@@ -163,6 +163,7 @@ from transformers import AutoModelForCausalLM
 from accelerate import Accelerator
 sys.path.insert(0, sys.argv[1])
 from shared.core.args import parse_args
+from shared.core.launch import resolve_launch
 from shared.core.tasks import load_task
 model_dir = sys.argv[2]
 model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -170,7 +171,7 @@ empty = [n for n, p in model.named_parameters() if p.numel() == 0]
 args = parse_args(["--task", "causal-lm", "--model_name_or_path", model_dir, "--max_train_samples", "256",
                    "--max_eval_samples", "64", "--disable_dropout"])
 accelerator = Accelerator(cpu=True)
-task = load_task(args, accelerator)
+task = load_task(resolve_launch(args, "baseline"), accelerator)
 metrics = task.evaluate(model, task.eval_dataloader, accelerator)
 batch = next(iter(task.eval_dataloader))
 with torch.no_grad():

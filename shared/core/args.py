@@ -173,6 +173,4 @@ def parse_args(
     if args.max_train_steps is not None and args.num_warmup_steps >= args.max_train_steps:
         p.error(f"--num_warmup_steps {args.num_warmup_steps} >= --max_train_steps {args.max_train_steps}: the "
                 "learning rate would never reach --learning_rate. Lower --num_warmup_steps.")
-    if args.learning_rate is None:  # a recipe's own default (parse_args(learning_rate=...)) is not None: kept
-        args.learning_rate = PRETRAINED_LR if args.model_name_or_path else FROM_SCRATCH_LR
-    return args
+    return args  # as typed: values resolved from it (the learning rate, the output dir, ...) are the Launch's

@@ -4,7 +4,6 @@ holds whole, add their per-process state through checkpoint_per_process."""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -12,9 +11,13 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .launch import Launch
 
 logger = logging.getLogger("recipes")
 STATE_FILE = "trainer_state.json"
@@ -204,11 +207,11 @@ def _preempted(accelerator) -> int:
     return _agreed_signal[0]
 
 
-def maybe_save_checkpoint(accelerator, args: argparse.Namespace, step: int, micro_batches: int) -> None:
+def maybe_save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int) -> None:
     """Every --checkpointing_steps optimizer steps, and at once after SIGTERM/SIGINT (then the run exits)."""
-    signum = _preempted(accelerator)
+    args, signum = launch.args, _preempted(accelerator)
     if (args.checkpointing_steps and step % args.checkpointing_steps == 0) or signum:
-        path = save_checkpoint(accelerator, args.output_dir, step, micro_batches, keep=args.save_total_limit)
+        path = save_checkpoint(accelerator, launch.output_dir, step, micro_batches, keep=args.save_total_limit)
     if signum:
         name = signal.Signals(signum).name
         logger.warning("%s received: saved %s at step %d; continue with --resume_from_checkpoint latest",
@@ -217,24 +220,24 @@ def maybe_save_checkpoint(accelerator, args: argparse.Namespace, step: int, micr
         sys.exit(128 + signum)
 
 
-def find_checkpoint(args: argparse.Namespace) -> Path | None:
+def find_checkpoint(launch: Launch) -> Path | None:
     """The directory --resume_from_checkpoint names ('latest': the newest one that verifies)."""
-    wanted = args.resume_from_checkpoint
+    wanted, root = launch.args.resume_from_checkpoint, checkpoints_root(launch.output_dir)
     if not wanted:
         return None
     if wanted == "latest":
-        for path in sorted(checkpoints_root(args.output_dir).glob("step_*"), reverse=True):
+        for path in sorted(root.glob("step_*"), reverse=True):
             problem = verify_checkpoint(path)
             if problem is None:
                 return path
             logger.warning("skipping checkpoint %s: %s", path, problem)
         logger.warning("--resume_from_checkpoint latest: no complete checkpoint in %s; starting from scratch",
-                       checkpoints_root(args.output_dir))
+                       root)
         return None
     path = Path(wanted)
     if not path.is_dir():
         raise SystemExit(f"--resume_from_checkpoint {wanted!r} does not exist. Pass a directory under "
-                         f"{checkpoints_root(args.output_dir)} or 'latest'.")
+                         f"{root} or 'latest'.")
     problem = verify_checkpoint(path)
     if problem:
         raise SystemExit(f"--resume_from_checkpoint {wanted!r} is not a complete checkpoint: {problem}. "
@@ -242,15 +245,15 @@ def find_checkpoint(args: argparse.Namespace) -> Path | None:
     return path
 
 
-def resume(accelerator, args: argparse.Namespace) -> tuple[int, int]:
+def resume(accelerator, launch: Launch) -> tuple[int, int]:
     """Load a checkpoint into the prepared objects; returns (optimizer steps done, micro-batches consumed)."""
-    path = find_checkpoint(args)
+    path, steps = find_checkpoint(launch), launch.max_train_steps
     if path is None:
         return 0, 0
     state = json.loads((path / STATE_FILE).read_text())
-    if args.max_train_steps and state["step"] >= args.max_train_steps:
+    if steps and state["step"] >= steps:
         # Nothing would train: the run would end with no loss to report (train_loss None) and save the same model.
-        raise SystemExit(f"{path} is at step {state['step']}, and this run has {args.max_train_steps} steps: nothing "
+        raise SystemExit(f"{path} is at step {state['step']}, and this run has {steps} steps: nothing "
                          "is left to train. Raise --max_train_steps (or --num_train_epochs) to train on.")
     accelerator.load_state(str(path))
     logger.info("resumed from %s at step %d", path, state["step"])

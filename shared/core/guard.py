@@ -30,7 +30,7 @@ class DivergenceGuard:
     """Stops on a non-finite loss, or on an fp16 loss scale that collapsed, with the state saved."""
 
     def __init__(self, meter: Meter):
-        self.meter = meter  # the accelerator, args and optimizer of the run, and the loss it recorded last
+        self.meter = meter  # the accelerator, launch and optimizer of the run, and the loss it recorded last
         self.skipped_history: list[bool] = []
 
     def check(self, step: int) -> None:
@@ -68,7 +68,7 @@ class DivergenceGuard:
 
     def _stop(self, step: int, reason: str) -> None:
         acc = self.meter.accelerator
-        path = Path(self.meter.args.output_dir) / f"diverged_step_{step:08d}"
+        path = Path(self.meter.launch.output_dir) / f"diverged_step_{step:08d}"
         acc.save_state(str(path))
         acc.end_training()
         raise SystemExit(f"Stopped: {reason}. The training state at step {step} is saved in {path}.")

@@ -20,6 +20,7 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs, TorchDynam
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import quiet, rules
+from .args import FROM_SCRATCH_LR, PRETRAINED_LR
 from .checkpoint import install_preemption_handler
 from .fsdp_cpu import force_fsdp_on_cpu
 
@@ -109,14 +110,32 @@ def build_dynamo_plugin(compile_mode: str) -> TorchDynamoPlugin:
 
 @dataclass
 class Launch:
-    """What a run was launched as, resolved and checked before the Accelerator exists; the recipe passes it on."""
+    """The run as launched: the flags as typed (`args`, never written to) and, apart from them, every value the
+    launch resolved from the flags, the launch config, a DeepSpeed JSON and this machine. The recipe and the core
+    read the resolved values here; results.json reports both."""
 
+    args: argparse.Namespace  # as parsed
+    recipe: str
+    output_dir: str
+    mixed_precision: str  # the flag, else the launch config, else the recipe's default (or DeepSpeed's agreed one)
+    torch_compile: str  # none | regional | full
+    learning_rate: float
+    per_device_train_batch_size: int  # the flags' values, or a DeepSpeed JSON's where it sets them
+    gradient_accumulation_steps: int
+    max_grad_norm: float
     run: rules.Run
     cpu: bool  # Accelerator(cpu=...): gloo DDP on a CPU-only machine
     kwargs_handlers: list = field(default_factory=list)
     log_with: list[str] | None = None
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None
     dynamo_plugin: TorchDynamoPlugin = field(default_factory=lambda: build_dynamo_plugin("none"))
+    max_train_steps: int | None = None  # --max_train_steps, or the steps of --num_train_epochs (optim.total_steps)
+
+    def resolved(self) -> dict[str, object]:
+        """What the launch resolved, for results.json beside the flags as typed."""
+        names = ("recipe", "output_dir", "mixed_precision", "torch_compile", "learning_rate",
+                 "per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "max_train_steps")
+        return {name: getattr(self, name) for name in names}
 
 
 def resolve_launch(
@@ -130,32 +149,43 @@ def resolve_launch(
 ) -> Launch:
     """Resolve the launch, and refuse a combination that cannot train, before anything is built or loaded.
 
-    Fills args.recipe, args.output_dir and args.mixed_precision with the resolved values. `deepspeed_config` /
-    `fsdp_plugin`: the sharding the recipe itself sets up. `asks`: the recipe's techniques as `rules.Run` fields,
-    with `flags` saying how the recipe spells them, so a refusal names the user's own flags.
+    `args` is left as typed: the resolved values are the returned Launch's. `deepspeed_config` / `fsdp_plugin`: the
+    sharding the recipe itself sets up (a DeepSpeed config from deepspeed_setup.resolve_deepspeed_config, whose
+    agreed precision, batch, accumulation and clipping the run then uses). `asks`: the recipe's techniques as
+    `rules.Run` fields, with `flags` saying how the recipe spells them, so a refusal names the user's own flags.
     """
     quiet.silence_known_noise()  # before DeepSpeed, torchao and bitsandbytes are first imported
-    args.recipe = recipe
-    args.output_dir = args.output_dir or str(Path("outputs") / f"{recipe}-{args.task}")
-    args.mixed_precision = resolve_mixed_precision(args, default_mixed_precision)
-    args.torch_compile = resolve_compile(args)
+    output_dir = args.output_dir or str(Path("outputs") / f"{recipe}-{args.task}")
+    mixed_precision = resolve_mixed_precision(args, default_mixed_precision)
+    torch_compile = resolve_compile(args)
+    learning_rate = args.learning_rate  # a recipe's own default (parse_args(learning_rate=...)) is not None
+    if learning_rate is None:
+        learning_rate = PRETRAINED_LR if args.model_name_or_path else FROM_SCRATCH_LR
+    batch, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    clipping = args.max_grad_norm
     launched, offload, world = rules.launched_sharding(os.environ)
     sharding = launched
     if deepspeed_config is not None:
         sharding, offload = rules.deepspeed_sharding(deepspeed_config)
+        # The values every source agreed on (deepspeed_setup.resolve_deepspeed_config): the loop runs DeepSpeed's.
+        mixed_precision = "fp16" if deepspeed_config["fp16"]["enabled"] else (
+            "bf16" if deepspeed_config["bf16"]["enabled"] else "no")
+        batch = int(deepspeed_config.get("train_micro_batch_size_per_gpu", batch))
+        accumulation = int(deepspeed_config.get("gradient_accumulation_steps", accumulation))
+        clipping = float(deepspeed_config.get("gradient_clipping", clipping))
     elif fsdp_plugin is not None:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         sharding, offload = "fsdp", "cpu" if isinstance(fsdp_plugin.cpu_offload, CPUOffloadPolicy) else "none"
     on_cpu = not has_accelerator()
     run = rules.Run(recipe=recipe, sharding=sharding, launched=launched, offload=offload, num_processes=world,
-                     precision=args.mixed_precision, on_accelerator=not on_cpu,
-                     accumulation=args.gradient_accumulation_steps, max_grad_norm=args.max_grad_norm,
-                     packing=args.packing if args.task == "causal-lm" else "none", compile=args.torch_compile,
+                     precision=mixed_precision, on_accelerator=not on_cpu,
+                     accumulation=accumulation, max_grad_norm=clipping,
+                     packing=args.packing if args.task == "causal-lm" else "none", compile=torch_compile,
                      parallelism_config=rules.launched_parallelism(os.environ), **asks)
     rules.check(run)  # the rule table: refused here, with the reason and the fix
-    check_environment(args, uses_deepspeed=sharding.startswith("zero"))
-    check_output_dir(args.output_dir)
+    check_environment(mixed_precision, uses_deepspeed=sharding.startswith("zero"))
+    check_output_dir(output_dir)
     log_with = _trackers(args.report_to)
 
     # Two processes on two cores with torch's default thread count oversubscribe the CPU: a 3 s run took 83 s.
@@ -181,11 +211,14 @@ def resolve_launch(
             # A MULTI_GPU config with `use_cpu: true` gives real gloo DDP only with cpu=True in the script;
             # without it every process reports DistributedType.NO and trains its own unsynced copy.
             cpu = True
-    return Launch(run=run, cpu=cpu, kwargs_handlers=[process_group], log_with=log_with,
-                  fsdp_plugin=fsdp_plugin, dynamo_plugin=build_dynamo_plugin(args.torch_compile))
+    return Launch(args=args, recipe=recipe, output_dir=output_dir, mixed_precision=mixed_precision,
+                  torch_compile=torch_compile, learning_rate=learning_rate, per_device_train_batch_size=batch,
+                  gradient_accumulation_steps=accumulation, max_grad_norm=clipping, run=run, cpu=cpu,
+                  kwargs_handlers=[process_group], log_with=log_with, fsdp_plugin=fsdp_plugin,
+                  dynamo_plugin=build_dynamo_plugin(torch_compile))
 
 
-def start_run(accelerator: Accelerator, args: argparse.Namespace, launch: Launch) -> None:
+def start_run(accelerator: Accelerator, launch: Launch) -> None:
     """Right after Accelerator(...): check that Accelerate resolved what was launched, make fp16 real on CPU, and
     start logging, seeding, trackers and the preemption handler."""
     run = launch.run
@@ -211,6 +244,7 @@ def start_run(accelerator: Accelerator, args: argparse.Namespace, launch: Launch
     ):
         _enable_cpu_fp16(accelerator)
 
+    args = launch.args
     install_preemption_handler()
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -218,16 +252,17 @@ def start_run(accelerator: Accelerator, args: argparse.Namespace, launch: Launch
     )
     set_seed(args.seed)
     if launch.log_with:
-        config = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()}
+        config = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                  for k, v in {**vars(args), **launch.resolved()}.items()}
         accelerator.init_trackers(run.recipe, config=config)
     logger.info(
         "%s: task=%s distributed_type=%s processes=%d device=%s mixed_precision=%s output_dir=%s",
         run.recipe, args.task, accelerator.distributed_type.value, accelerator.num_processes,
-        accelerator.device, accelerator.mixed_precision, args.output_dir,
+        accelerator.device, accelerator.mixed_precision, launch.output_dir,
     )
 
 
-def check_environment(args: argparse.Namespace, uses_deepspeed: bool) -> None:
+def check_environment(mixed_precision: str, uses_deepspeed: bool) -> None:
     """What this machine cannot do, refused at start-up with the fix."""
     if uses_deepspeed:
         try:
@@ -235,7 +270,7 @@ def check_environment(args: argparse.Namespace, uses_deepspeed: bool) -> None:
         except ImportError:
             raise SystemExit("This run uses DeepSpeed, which is not installed. "
                              "`pip install -r requirements.txt` (deepspeed==0.19.8).") from None
-    if args.mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+    if mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         raise SystemExit(f"--mixed_precision bf16: {torch.cuda.get_device_name()} has no bf16 support. "
                          "Use --mixed_precision fp16 (dynamic loss scaling), or fp32.")
 

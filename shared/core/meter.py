@@ -327,8 +327,8 @@ def compile_times(first_step_s: float | None, step_times: list[float]) -> dict[s
 class Meter:
     """Progress bar (main process only), loss logging to the trackers, throughput, memory and state bytes."""
 
-    def __init__(self, accelerator, args, task, model: nn.Module, optimizer: object):
-        self.accelerator, self.args, self.task = accelerator, args, task
+    def __init__(self, accelerator, launch, task, model: nn.Module, optimizer: object):
+        self.accelerator, self.launch, self.task = accelerator, launch, task
         self.model, self.optimizer = model, optimizer
         self.samples = self.tokens = 0
         self.timed_steps = 0
@@ -394,7 +394,7 @@ class Meter:
         self.step_loss = loss.detach().float()
         self._nonfinite += (~torch.isfinite(self.step_loss)).any()
         self.window.append(self.step_loss)
-        if len(self.window) >= self.args.logging_steps or step + 1 == self.bar.total:
+        if len(self.window) >= self.launch.args.logging_steps or step + 1 == self.bar.total:
             self._log(step + 1)
 
     def _log(self, step: int) -> None:

@@ -2,50 +2,59 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+if TYPE_CHECKING:
+    from .launch import Launch
+
 logger = logging.getLogger("recipes")
 
 
-def optimizer_and_scheduler(args: argparse.Namespace, model: torch.nn.Module, max_steps: int,
+def optimizer_and_scheduler(launch: Launch, model: torch.nn.Module, max_steps: int,
                             optimizer_cls: type = torch.optim.AdamW) -> tuple[torch.optim.Optimizer, LRScheduler]:
-    """AdamW-style optimizer without weight decay on biases and norms, and the --lr_scheduler_type schedule."""
+    """AdamW-style optimizer without weight decay on biases and norms, and the --lr_scheduler_type schedule, at the
+    launch's learning rate (--learning_rate, or the default for a pretrained or a random model)."""
     from transformers import get_scheduler
+
+    args = launch.args
 
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = optimizer_cls([g for g in groups if g["params"]], lr=args.learning_rate)
+    optimizer = optimizer_cls([g for g in groups if g["params"]], lr=launch.learning_rate)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.num_warmup_steps,
                               num_training_steps=max_steps)
     return optimizer, scheduler
 
 
-def total_steps(args: argparse.Namespace, accelerator, train_dataloader, already_split: bool = False) -> int:
-    """--max_train_steps, or the optimizer steps in --num_train_epochs; stored back in args.max_train_steps.
+def total_steps(launch: Launch, accelerator, train_dataloader, already_split: bool = False) -> int:
+    """--max_train_steps, or the optimizer steps in --num_train_epochs; held in launch.max_train_steps.
 
     train_dataloader: the whole training set's loader, which Accelerate will split over the processes; or, with
     already_split, what this process itself reads (the pipeline and tensor-parallel recipes' own loaders, where
     dividing again by the process count trained half an epoch, or a quarter, when epochs were asked)."""
-    if not args.max_train_steps:
+    args = launch.args
+    steps = args.max_train_steps
+    if not steps:
         per_process = math.ceil(len(train_dataloader) / (1 if already_split else accelerator.num_processes))
-        args.max_train_steps = max(1, math.ceil(args.num_train_epochs * per_process / args.gradient_accumulation_steps))
+        steps = max(1, math.ceil(args.num_train_epochs * per_process / launch.gradient_accumulation_steps))
         # A --max_train_steps the user passed was checked against the warmup when parsed (shared/core/args.py).
-        if args.num_warmup_steps >= args.max_train_steps:
-            raise SystemExit(f"--num_warmup_steps {args.num_warmup_steps} >= the run's {args.max_train_steps} steps: "
+        if args.num_warmup_steps >= steps:
+            raise SystemExit(f"--num_warmup_steps {args.num_warmup_steps} >= the run's {steps} steps: "
                              "the learning rate would never reach --learning_rate. Lower --num_warmup_steps, or "
                              "train longer.")
-    if args.checkpointing_steps and args.checkpointing_steps > args.max_train_steps:
+    if args.checkpointing_steps and args.checkpointing_steps > steps:
         logger.warning("--checkpointing_steps %d > the run's %d steps: no checkpoint will be written.",
-                       args.checkpointing_steps, args.max_train_steps)
-    return args.max_train_steps
+                       args.checkpointing_steps, steps)
+    launch.max_train_steps = steps
+    return steps
 
 
 def compile_each_shard_apart() -> None:

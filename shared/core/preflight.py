@@ -9,9 +9,9 @@ adds it (shared/tools/preflight.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,17 +19,20 @@ from .meter import stepping_optimizer
 from .results import end_run
 from .rules import RECIPES, offload_of, sharding_of
 
+if TYPE_CHECKING:
+    from .launch import Launch
+
 REPORT_LINE = "preflight report:"  # the report's last line names its file (shared/tools/preflight.py reads it)
 
 
-def stop_if_preflight(accelerator, args: argparse.Namespace, task, model, optimizer: object | None) -> None:
+def stop_if_preflight(accelerator, launch: Launch, task, model, optimizer: object | None) -> None:
     """With --preflight: report the resolved run and end it before its first step. Otherwise nothing.
 
     Called by the recipe after prepare() (DeepSpeed fills its "auto" values there) and resume() (a checkpoint that
     cannot be loaded is refused by the preflight too).
     """
-    if args.preflight:
-        report(accelerator, args, task, model, optimizer)
+    if launch.args.preflight:
+        report(accelerator, launch, task, model, optimizer)
 
 
 def _available_bytes(accelerator) -> int:
@@ -40,9 +43,9 @@ def _available_bytes(accelerator) -> int:
     return int(psutil.virtual_memory().available // accelerator.num_processes)
 
 
-def report(accelerator, args: argparse.Namespace, task, model, optimizer) -> None:
+def report(accelerator, launch: Launch, task, model, optimizer) -> None:
     """Print and save the resolved configuration, then end the run before its first step (exit code 0)."""
-    recipe = args.recipe
+    args, recipe = launch.args, launch.recipe
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ds_config = getattr(getattr(accelerator.state, "deepspeed_plugin", None), "deepspeed_config", None)
     resolved = {
@@ -57,13 +60,13 @@ def report(accelerator, args: argparse.Namespace, task, model, optimizer) -> Non
         "mixed_precision": accelerator.mixed_precision,
         "fp16_path": ("torch CPU autocast + GradScaler" if accelerator.mixed_precision == "fp16"
                       and accelerator.device.type == "cpu" and accelerator.scaler is not None else None),
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": launch.gradient_accumulation_steps,
+        "per_device_train_batch_size": launch.per_device_train_batch_size,
         # (sequence parallel: the processes split each sequence, not the samples)
-        "global_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+        "global_batch_size": launch.per_device_train_batch_size * launch.gradient_accumulation_steps
         * (1 if recipe in RECIPES and RECIPES[recipe].splits_sequence else accelerator.num_processes),
-        "max_train_steps": args.max_train_steps,
-        "learning_rate": args.learning_rate,
+        "max_train_steps": launch.max_train_steps,
+        "learning_rate": launch.learning_rate,
         "optimizer": None if optimizer is None else type(stepping_optimizer(optimizer)).__name__,  # None: PTQ
         "trainable_parameters_this_process": trainable,
         "deepspeed_config": ds_config,
@@ -72,12 +75,12 @@ def report(accelerator, args: argparse.Namespace, task, model, optimizer) -> Non
         "sharding": sharding_of(accelerator),
         "offload": offload_of(accelerator),
         "offload_param": ((ds_config or {}).get("zero_optimization", {}).get("offload_param") or {}).get("device"),
-        "flags": vars(args),
+        "flags": {**vars(args), **launch.resolved()},
         "model_config": accelerator.unwrap_model(model, keep_torch_compile=False).config.to_dict(),
         "available_bytes_per_process": _available_bytes(accelerator),
     }
     if accelerator.is_main_process:
-        out = Path(args.output_dir)
+        out = Path(launch.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         path = out / "preflight.json"
         path.write_text(json.dumps(resolved, indent=2, default=str))

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .launch import Launch
 
 logger = logging.getLogger("recipes")
 
@@ -21,34 +24,38 @@ REQUIRED_FIELDS = (
 )
 
 
-def finish(accelerator, args: argparse.Namespace, recipe: str, task, model: torch.nn.Module, eval_dataloader,
-           meter, extras: dict | None = None) -> dict:
-    """Evaluate, write results.json, save the model as safetensors, close the trackers. Returns the results."""
+def finish(accelerator, launch: Launch, task, model: torch.nn.Module, eval_dataloader, meter,
+           extras: dict | None = None, save: bool = True) -> dict:
+    """Evaluate, write results.json, save the model as safetensors (unless --no_save_model, or `save=False` for a
+    recipe that saves another form itself), close the trackers. Returns the results."""
+    save = save and not launch.args.no_save_model
     try:
         metrics = task.evaluate(model, eval_dataloader, accelerator)
     except Exception:
         # Training is done and is the costly part: keep it before the failure is reported.
-        if not args.no_save_model:
-            save_model(accelerator, model, task, args.output_dir)
-            logger.error("evaluation failed after training; the trained model is saved in %s", args.output_dir)
+        if save:
+            save_model(accelerator, model, task, launch.output_dir)
+            logger.error("evaluation failed after training; the trained model is saved in %s", launch.output_dir)
         raise
-    results = collect_results(accelerator, args, recipe, task, meter, metrics, extras)
-    if not args.no_save_model:
-        save_model(accelerator, model, task, args.output_dir)
-    return write_results(accelerator, args, results)
+    results = collect_results(accelerator, launch, task, meter, metrics, extras)
+    if save:
+        save_model(accelerator, model, task, launch.output_dir)
+    return write_results(accelerator, launch, results)
 
 
-def collect_results(accelerator, args: argparse.Namespace, recipe: str, task, meter, metrics: dict,
-                    extras: dict | None = None) -> dict:
-    """The results.json fields: the run, the meter's measurements (before saving adds to the memory peak), metrics."""
+def collect_results(accelerator, launch: Launch, task, meter, metrics: dict, extras: dict | None = None) -> dict:
+    """The results.json fields: the run, the meter's measurements (before saving adds to the memory peak), metrics;
+    the flags as typed and the values the launch resolved from them."""
     from .flops import run_flops
+
+    args = launch.args
 
     measured = meter.summary()
     # keep_torch_compile=False: the plain model (a regionally compiled DDP model would unwrap to its DDP wrapper).
     flops = run_flops(accelerator.unwrap_model(meter.model, keep_torch_compile=False), args.max_seq_length,
                       measured["train_tokens_per_second"], accelerator.num_processes, accelerator.device)
     results = {
-        "recipe": recipe,
+        "recipe": launch.recipe,
         "task": task.name,
         "model": task.model_id,
         "data": task.data_source,
@@ -56,10 +63,15 @@ def collect_results(accelerator, args: argparse.Namespace, recipe: str, task, me
         "device": str(accelerator.device),
         "distributed_type": accelerator.distributed_type.value,
         "mixed_precision": accelerator.mixed_precision,
-        "torch_compile": getattr(args, "torch_compile", "none"),  # none | regional | full (shared/core/launch.py)
-        "max_train_steps": args.max_train_steps,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "torch_compile": launch.torch_compile,  # none | regional | full (shared/core/launch.py)
+        "max_train_steps": launch.max_train_steps,
+        "gradient_accumulation_steps": launch.gradient_accumulation_steps,
+        "per_device_train_batch_size": launch.per_device_train_batch_size,
+        "learning_rate": launch.learning_rate,
+        "flags": {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+                  for k, v in sorted(vars(args).items()) if k != "explicit_flags"},  # as parsed, defaults too
+        "explicit_flags": sorted(getattr(args, "explicit_flags", ())),  # what was typed
+        "resolved": launch.resolved(),  # what ran
         **measured,
         **flops,  # model FLOPs per token and MFU (shared/core/flops.py); MFU only on a GPU in its peak table
         **metrics,
@@ -67,15 +79,15 @@ def collect_results(accelerator, args: argparse.Namespace, recipe: str, task, me
         **meter.extras,
         **(extras or {}),
     }
-    accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}, step=args.max_train_steps)
+    accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}, step=launch.max_train_steps)
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in results.items()}
 
 
-def write_results(accelerator, args: argparse.Namespace, results: dict) -> dict:
+def write_results(accelerator, launch: Launch, results: dict) -> dict:
     """Write results.json (main process, atomically) and close the trackers. Recipes that evaluate and save in
     their own way (a pipeline, whose whole model no process holds) call collect_results and this directly."""
     if accelerator.is_main_process:
-        out = Path(args.output_dir)
+        out = Path(launch.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / "results.json.tmp"
         tmp.write_text(json.dumps(results, indent=2))

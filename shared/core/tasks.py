@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import data, datacheck, datastats, models, packing
+
+if TYPE_CHECKING:
+    from .launch import Launch
 
 logger = logging.getLogger("recipes")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
@@ -104,8 +107,11 @@ class Task:
                 preprocessor.save_pretrained(output_dir)
 
 
-def load_task(args: argparse.Namespace, accelerator) -> Task:
-    """Data, tokenizer and model for args.task. Bad input fails here, before any training step."""
+def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None) -> Task:
+    """Data, tokenizer and model for --task. Bad input fails here, before any training step. `eval_batch_size`:
+    the evaluation batch, where a recipe needs another than --per_device_eval_batch_size."""
+    args = launch.args
+    batches = (launch.per_device_train_batch_size, eval_batch_size or args.per_device_eval_batch_size)
     data.check_paths(args)
     models.check_model_path(args.model_name_or_path)
     # The model must serve the task, and its position embeddings the sequence length: checked before the data is
@@ -120,15 +126,15 @@ def load_task(args: argparse.Namespace, accelerator) -> Task:
         train_raw, val_raw, source = data.load_raw_splits(args)
     loader = {"text-classification": _text_classification, "causal-lm": _causal_lm,
               "image-classification": _image_classification}[args.task]
-    task = loader(args, accelerator, train_raw, val_raw, source)
+    task = loader(args, accelerator, train_raw, val_raw, source, batches)
     n_train = len(task.train_dataloader.dataset)
     packed = task.packing != "none"
     if n_train == 0:
         raise SystemExit(_NO_EXAMPLES.format(source=source))
-    global_batch = args.per_device_train_batch_size * accelerator.num_processes
+    global_batch = batches[0] * accelerator.num_processes
     if global_batch > n_train:
         what = f"{n_train} blocks of {args.max_seq_length} tokens" if packed else f"{n_train} examples"
-        raise SystemExit(f"The global batch ({args.per_device_train_batch_size} per device x "
+        raise SystemExit(f"The global batch ({batches[0]} per device x "
                          f"{accelerator.num_processes} processes = {global_batch}) is larger than the training set "
                          f"({what}). Lower --per_device_train_batch_size{' or --max_seq_length' if packed else ''} "
                          "or add data.")
@@ -154,7 +160,8 @@ def _to_dataset(split: object):
     return split if isinstance(split, datasets.Dataset) else datasets.Dataset.from_dict(split)
 
 
-def _dataloaders(args, accelerator, train_ds, eval_ds, collate) -> tuple[DataLoader, DataLoader]:
+def _dataloaders(args, accelerator, train_ds, eval_ds, collate, batches: tuple[int, int]
+                 ) -> tuple[DataLoader, DataLoader]:
     # Workers only load and collate: the order comes from the sampler in the main process, so a resumed run sees
     # the same batches with any number of them. Pinned memory speeds host-to-GPU copies and is pointless elsewhere.
     workers = args.dataloader_num_workers
@@ -162,9 +169,9 @@ def _dataloaders(args, accelerator, train_ds, eval_ds, collate) -> tuple[DataLoa
                    persistent_workers=workers > 0)  # not respawned at every epoch of endless_batches
     # A generator of its own: each new epoch iterator then draws its seed from it, not from the global RNG that
     # dropout uses, so a resumed run sees the same dropout masks as an uninterrupted one.
-    train = DataLoader(train_ds, batch_size=args.per_device_train_batch_size, shuffle=True, collate_fn=collate,
+    train = DataLoader(train_ds, batch_size=batches[0], shuffle=True, collate_fn=collate,
                        generator=torch.Generator().manual_seed(args.seed), **loading)
-    evaluation = DataLoader(eval_ds, batch_size=args.per_device_eval_batch_size, collate_fn=collate, **loading)
+    evaluation = DataLoader(eval_ds, batch_size=batches[1], collate_fn=collate, **loading)
     return train, evaluation
 
 
@@ -189,7 +196,7 @@ def _tokenizer(args, texts: list[str]):
     return tok
 
 
-def _text_classification(args, accelerator, train_raw, val_raw, source) -> Task:
+def _text_classification(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int]) -> Task:
     cols = data.column_names(train_raw)
     text_col = data.pick_column(cols, args.text_column, data._TEXT_GUESSES, "text", "text_column")
     # Sentence pairs (GLUE MRPC, MNLI ...): the tokenizer joins the two its own way ([SEP] and segment ids for BERT).
@@ -231,9 +238,9 @@ def _text_classification(args, accelerator, train_raw, val_raw, source) -> Task:
         if mapping:
             config.id2label = dict(enumerate(labels))
     model = models.build_model(args, config)
-    train_dl, eval_dl = _dataloaders(args, accelerator, train_ds, val_ds, DataCollatorWithPadding(tokenizer))
+    train_dl, eval_dl = _dataloaders(args, accelerator, train_ds, val_ds, DataCollatorWithPadding(tokenizer), batches)
     lengths = [len(x) for x in train_ds["input_ids"]]
-    stats = datastats.text_stats(lengths, None, args.per_device_train_batch_size, args.seed)
+    stats = datastats.text_stats(lengths, None, batches[0], args.seed)
     return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, tokenizer, stats=stats)
 
 
@@ -254,7 +261,7 @@ class CausalCollator:
         return dict(batch)
 
 
-def _causal_lm(args, accelerator, train_raw, val_raw, source) -> Task:
+def _causal_lm(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int]) -> Task:
     cols = data.column_names(train_raw)
     text_col = data.pick_column(cols, args.text_column, data._TEXT_GUESSES, "text", "text_column")
     for split, ds in _given_splits(train_raw, val_raw):
@@ -287,7 +294,7 @@ def _causal_lm(args, accelerator, train_raw, val_raw, source) -> Task:
     held = sum(train_ds["n_real"])  # before --max_train_samples: what packing or the cut left of the text
     if packed:
         train_ds, val_ds = _limit(train_ds, args.max_train_samples), _limit(val_ds, args.max_eval_samples)
-    stats = datastats.text_stats(train_ds["n_real"], train_ds["n_targets"], args.per_device_train_batch_size,
+    stats = datastats.text_stats(train_ds["n_real"], train_ds["n_targets"], batches[0],
                                  args.seed, block=args.max_seq_length if packed else None)
     stats["train_text_tokens"] = text_tokens
     stats["dropped_token_fraction"] = round(1.0 - held / max(1, text_tokens), 6)
@@ -295,7 +302,7 @@ def _causal_lm(args, accelerator, train_raw, val_raw, source) -> Task:
     train_ds, val_ds = (ds.remove_columns(["n_real", "n_targets"]) for ds in (train_ds, val_ds))
     model = models.build_model(args, config)
     collate = packing.BlockCollator() if packed else CausalCollator(tokenizer)
-    train_dl, eval_dl = _dataloaders(args, accelerator, train_ds, val_ds, collate)
+    train_dl, eval_dl = _dataloaders(args, accelerator, train_ds, val_ds, collate, batches)
     return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, tokenizer,
                 packing=args.packing, stats=stats)
 
@@ -313,7 +320,7 @@ def _report_packing(args, accelerator, stats: dict) -> None:
                 args.max_seq_length, stats["train_target_tokens"], 100 * dropped, 100 * stats["padding_fraction"])
 
 
-def _image_classification(args, accelerator, train_raw, val_raw, source) -> Task:
+def _image_classification(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int]) -> Task:
     cols = [c for c in data.column_names(train_raw) if c != "classes"]
     image_col = data.pick_column(cols, args.image_column, data._IMAGE_GUESSES, "image", "image_column")
     label_col = data.pick_column(cols, args.label_column, data._LABEL_GUESSES, "label", "label_column")
@@ -345,7 +352,7 @@ def _image_classification(args, accelerator, train_raw, val_raw, source) -> Task
     train_ds = data.ImageDataset(list(train_raw[image_col]), [to_id(v) for v in train_labels], size, mean, std)
     val_ds = data.ImageDataset(list(val_raw[image_col]), [to_id(v) for v in val_labels], size, mean, std)
     model = models.build_model(args, config)
-    train_dl, eval_dl = _dataloaders(args, accelerator, train_ds, val_ds, None)
+    train_dl, eval_dl = _dataloaders(args, accelerator, train_ds, val_ds, None, batches)
     return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, processor=processor,
                 stats={"train_examples": len(train_ds)})
 

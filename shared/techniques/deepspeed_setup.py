@@ -41,7 +41,7 @@ SETTINGS: dict[str, tuple[str | None, str | None]] = {
         None, "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"),
 }
 _TRAINING = ("gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu", "mixed_precision")
-_FLAG_TO_ARGS = {"max_grad_norm": float, "gradient_accumulation_steps": int, "per_device_train_batch_size": int}
+_FLAG_TYPES = {"max_grad_norm": float, "gradient_accumulation_steps": int, "per_device_train_batch_size": int}
 
 
 def add_deepspeed_args(group: argparse._ArgumentGroup) -> None:
@@ -173,28 +173,26 @@ def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> d
         raise SystemExit("Conflicting settings, stopped before training:\n" + "\n".join(conflicts) +
                          "\nSet each value in one place (or set it to \"auto\" in the DeepSpeed JSON).")
 
-    # One source of truth: the agreed values go into the config and back into args (Accelerator, loop, logs).
+    # One source of truth: the agreed values go into the config, which resolve_launch reads them from (the loop,
+    # the Accelerator and the logs use them there; the flags as typed stay as they are).
     for key, (value, _) in chosen.items():
         if key == "mixed_precision":
             config.setdefault("fp16", {})["enabled"] = value == "fp16"
             config.setdefault("bf16", {})["enabled"] = value == "bf16"
-            args.mixed_precision = value
         elif key.endswith("nvme_path"):
             continue  # written below, only where the device is nvme
         else:
-            _set(config, key, value)
-            flag = SETTINGS[key][0]
-            if flag in _FLAG_TO_ARGS:
-                setattr(args, flag, _FLAG_TO_ARGS[flag](value))
+            _set(config, key, _FLAG_TYPES.get(SETTINGS[key][0], lambda v: v)(value))
     for key in ("train_batch_size",):  # a global batch stated in the JSON must agree with the resolved pieces
         stated = _normalize("gradient_accumulation_steps", config.get(key))
         if stated is not None:
             world = int(os.environ.get("WORLD_SIZE", "1"))
-            product = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+            micro, accumulation = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
+            product = micro * accumulation * world
             if stated != product:
                 raise SystemExit(f"train_batch_size {stated} in the DeepSpeed JSON {json_file} != micro-batch "
-                                 f"{args.per_device_train_batch_size} x accumulation {args.gradient_accumulation_steps}"
-                                 f" x {world} processes = {product}. Set it to \"auto\".")
+                                 f"{micro} x accumulation {accumulation} x {world} processes = {product}. "
+                                 "Set it to \"auto\".")
 
     zero = config.setdefault("zero_optimization", {})
     stage = int(zero.get("stage", 0))
