@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import data, datacheck, datastats, models, packing
+from . import data, datacheck, datastats, losses, models, packing
 
 if TYPE_CHECKING:
     from .launch import Launch
@@ -41,18 +41,11 @@ class Task:
     # ---- loss: a sum over items divided by a count, so accumulation can normalize over the whole global batch
     def count_items(self, batch: dict) -> torch.Tensor:
         """What the loss averages over: target tokens for a causal LM, samples for classification."""
-        if self.name == "causal-lm":
-            return (batch["labels"][:, 1:] != -100).sum()
-        return torch.tensor(batch["labels"].numel(), device=batch["labels"].device)
+        return losses.count_items(self.name, batch["labels"])
 
     def loss(self, model: nn.Module, batch: dict, num_items: torch.Tensor | float | None = None) -> torch.Tensor:
         """Summed cross-entropy over the batch divided by `num_items` (default: this batch's own count)."""
-        labels = batch["labels"]
-        logits = model(**self._inputs(batch)).logits.float()
-        if self.name == "causal-lm":
-            logits, labels = logits[:, :-1], labels[:, 1:]
-        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100,
-                                reduction="sum")
+        total = losses.summed_loss(self.name)(model(**self._inputs(batch)).logits, batch["labels"])
         return total / (self.count_items(batch) if num_items is None else num_items)
 
     def _inputs(self, batch: dict) -> dict:

@@ -20,11 +20,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from ..core.losses import causal_lm_loss, shift_labels, summed_cross_entropy
 from ..core.meter import saved_activation_bytes
 from .deepspeed_setup import gathered_parameters
 
@@ -67,7 +67,7 @@ def output_head(model: nn.Module) -> nn.Module:
 
 def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     # fp32 logits as in Task.loss; under autocast the matmul itself still runs in bf16 / fp16.
-    return F.cross_entropy(head(hidden).float(), targets, ignore_index=-100, reduction="sum")
+    return summed_cross_entropy(head(hidden), targets)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module,
@@ -78,7 +78,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: nn.M
     """
     # Shift the labels, not the hidden states: hidden[:, :-1] would copy every hidden state, and the copy would stay
     # alive for the recompute. The last position of each row gets no target, as in the plain loss.
-    targets = F.pad(labels[:, 1:], (0, 1), value=-100).reshape(-1)
+    targets = shift_labels(labels).reshape(-1)
     flat = hidden.reshape(-1, hidden.size(-1))  # a view of the (contiguous) hidden states
     total = flat.new_zeros((), dtype=torch.float32)
     for h, y in zip(flat.tensor_split(num_chunks), targets.tensor_split(num_chunks), strict=True):
@@ -88,9 +88,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: nn.M
 
 def plain_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module) -> torch.Tensor:
     """The plain loss from the same hidden states: the head's full logits, then Task.loss's summed cross-entropy."""
-    logits = head(hidden).float()[:, :-1]
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100,
-                           reduction="sum")
+    return causal_lm_loss(head(hidden), labels)
 
 
 @contextlib.contextmanager

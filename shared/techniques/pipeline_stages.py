@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.losses import summed_loss as summed_loss  # the last stage's loss_fn: the spine's own
 from ..core.models import transformer_layers
 
 # model_type -> (modules the first stage runs before the blocks, modules the last stage runs after them)
@@ -122,19 +123,6 @@ def pad_to_length(collate: Callable | None, length: int, pad_id: int) -> Callabl
             if t is not None and t.ndim == 2 and t.shape[1] < length:
                 batch[key] = F.pad(t, (0, length - t.shape[1]), value=value)
         return batch
-
-    return fn
-
-
-def summed_loss(task_name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Summed cross-entropy of one micro-batch (shifted for a causal LM); the recipe divides by the global count."""
-
-    def fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = logits.float()
-        if task_name == "causal-lm":
-            logits, labels = logits[:, :-1], labels[:, 1:]
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100,
-                               reduction="sum")
 
     return fn
 

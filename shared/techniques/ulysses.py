@@ -16,8 +16,9 @@ in each chunk, the chunks after the first would read the wrong position embeddin
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ..core.losses import shift_labels, summed_cross_entropy
 
 ATTENTION = "ulysses_sdpa"  # the name this module registers in Transformers' AttentionInterface
 
@@ -83,7 +84,7 @@ def shard(batch: dict, rank: int, world: int) -> dict:
     has none). No attention mask: a packed block has no padding."""
     ids, labels = batch["input_ids"], batch["labels"]
     length = ids.shape[1]
-    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+    shifted = shift_labels(labels)
     positions = torch.arange(length, device=ids.device).expand_as(ids)
     part = slice(rank * length // world, (rank + 1) * length // world)
     return {"input_ids": ids[:, part], "position_ids": positions[:, part], "shift_labels": shifted[:, part]}
@@ -92,8 +93,5 @@ def shard(batch: dict, rank: int, world: int) -> dict:
 def loss(model: nn.Module, chunk: dict, num_items: torch.Tensor | float) -> torch.Tensor:
     """This chunk's summed cross-entropy against its already shifted labels, divided by `num_items` (the global
     batch's target tokens over the process count: DDP's mean over processes then gives sum / global count)."""
-    logits = model(input_ids=chunk["input_ids"], position_ids=chunk["position_ids"], use_cache=False).logits.float()
-    targets = chunk["shift_labels"]
-    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100,
-                            reduction="sum")
-    return total / num_items
+    logits = model(input_ids=chunk["input_ids"], position_ids=chunk["position_ids"], use_cache=False).logits
+    return summed_cross_entropy(logits, chunk["shift_labels"]) / num_items  # shifted already: no shift here
