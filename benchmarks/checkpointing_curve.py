@@ -7,7 +7,7 @@ policy, and none, on the base presets of the three families (BERT-base, GPT-2 12
 Each setting runs in a fresh interpreter of its own (the allocator's retention from one setting must not raise the
 next one's peak; a forked child hung in torch's thread pool), wrapped by recipes/activation_checkpointing.py's own
 enable_checkpointing. Per setting:
-  kept bytes   what forward leaves alive for backward (shared/core/meter.py forward_kept_bytes: autograd's saved
+  kept bytes   what forward leaves alive for backward (shared/techniques/probes.py forward_kept_bytes: autograd's saved
                tensors,
                checkpoint inputs and selective checkpointing's cached op outputs), exact and repeatable
   peak         peak RSS over the steps minus RSS before the first: activations, gradients, allocator slack
@@ -36,8 +36,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shared.core.meter import current_memory_bytes, forward_kept_bytes, peak_memory_bytes, reset_peak_memory
+from shared.core.measure import current_memory_bytes, peak_memory_bytes, reset_peak_memory
 from shared.core.models import AUTO_CLASSES, preset_config, transformer_layers
+from shared.techniques.probes import forward_kept_bytes
 from shared.tools import plan
 
 RESULTS = ROOT / "docs" / "results"

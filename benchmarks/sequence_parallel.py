@@ -9,7 +9,7 @@ Each of the 2 processes builds the same model (GPT-2, and Llama with rotary posi
 - sequence parallel: this process's chunk (shard()), DeepSpeed's all-to-all around attention, gradients summed over
   the processes with torch.distributed.all_reduce (what DDP does in the recipe);
 - the two ways a chunked run goes wrong: labels shifted inside each chunk, and position ids restarting per chunk.
-Saved-for-backward bytes of one forward (shared.core.meter.saved_activation_bytes: parameters excluded) for both.
+Saved-for-backward bytes of one forward (shared.techniques.probes.saved_activation_bytes: parameters excluded) for both.
 Writes --output (JSON) from the main process; prints the table of docs/sequence_parallel.md.
 """
 
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shared.core.meter import saved_activation_bytes  # noqa: E402
 from shared.techniques import ulysses as sp  # noqa: E402
+from shared.techniques.probes import saved_activation_bytes  # noqa: E402
 
 
 def reference_loss(model, ids: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ the cheap ops (LayerNorm, GELU, dropout, adds), with torch's create_selective_ch
 memory / time curve over K: docs/checkpointing.md. Before training, one step on the same batch with and without
 checkpointing measures what it saves and costs: the bytes autograd keeps for backward, the bytes forward leaves
 alive for backward, the time ratio, and the largest gradient difference (0 up to float rounding); the probe is
-shared/core/meter.py's checkpointing_probe.
+shared/techniques/probes.py's checkpointing_probe.
     accelerate launch recipes/activation_checkpointing.py --task causal-lm --max_seq_length 128
     accelerate launch recipes/activation_checkpointing.py --checkpoint_every 2 --checkpointing_policy selective
 """
@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import GradientAccumulationPlugin
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -31,12 +30,13 @@ from shared.core.checkpoint import maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
 from shared.core.launch import entrypoint, resolve_launch, start_run
-from shared.core.meter import Meter, checkpointing_probe
+from shared.core.meter import Meter
 from shared.core.models import transformer_layers
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.tasks import load_task
+from shared.techniques.probes import checkpointing_probe
 
 RECIPE = "activation_checkpointing"
 
@@ -117,9 +117,6 @@ def main(argv=None) -> dict:
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,
-        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,

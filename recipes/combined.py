@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import DeepSpeedPlugin, GradientAccumulationPlugin
+from accelerate.utils import DeepSpeedPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
@@ -34,10 +34,10 @@ from shared.core.tasks import load_task
 from shared.techniques.chunked_loss import ChunkedLoss, check_args
 from shared.techniques.deepspeed_setup import (
     add_deepspeed_args,
-    count_model_states_at_first_step,
     deepspeed_summary,
     gathered_parameters,
     launched_deepspeed_config,
+    patch_zero_step_to_count_states,
     schedule_the_optimizer_that_steps,
 )
 from shared.techniques.quant import COMPUTE_DTYPES, head_names, no_cpu_4bit_repacking, quantized_weight_bytes
@@ -85,15 +85,11 @@ def main(argv=None) -> dict:
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,
-        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
         project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
-        dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
         deepspeed_plugin=plugin,  # None: the launch config's sharding (DDP, FSDP) or none
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
@@ -154,7 +150,7 @@ def main(argv=None) -> dict:
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
     if plugin is not None:
         meter.extras.update(deepspeed_summary(accelerator, model))
-        count_model_states_at_first_step(meter, model, optimizer)  # ZeRO frees gradients inside its step
+        patch_zero_step_to_count_states(meter, model, optimizer)  # ZeRO frees gradients inside its own step
     chunked = None
     if args.chunked_loss:
         chunked = ChunkedLoss(args.loss_chunk_size, max_tokens=args.per_device_train_batch_size * args.max_seq_length)

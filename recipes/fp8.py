@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import AORecipeKwargs, GradientAccumulationPlugin
+from accelerate.utils import AORecipeKwargs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
@@ -48,9 +48,6 @@ def main(argv=None) -> dict:
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,
-        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
@@ -58,7 +55,6 @@ def main(argv=None) -> dict:
         # torchao's float8 (imported by AORecipeKwargs, after resolve_launch has silenced its load noise):
         # the default filter keeps the first/last Linear and dims not multiple of 16 in high precision.
         kwargs_handlers=[*launch.kwargs_handlers, AORecipeKwargs()],  # + a timeout for collectives
-        dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     check_fp8_resolved(accelerator)  # Accelerate turns fp8 into fp16 on an older GPU: stop instead

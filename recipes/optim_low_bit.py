@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import GradientAccumulationPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
@@ -26,12 +25,13 @@ from shared.core.checkpoint import maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
 from shared.core.launch import entrypoint, resolve_launch, start_run
-from shared.core.meter import Meter, quantized_state_counts
+from shared.core.meter import Meter
 from shared.core.optim import compile_each_shard_apart, optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.rules import offload_of, sharding_of
 from shared.core.tasks import load_task
+from shared.techniques.probes import quantized_state_counts
 
 RECIPE = "optim_low_bit"
 OPTIMIZERS = {"adamw_4bit": "AdamW4bit", "adamw_fp8": "AdamWFp8", "adamw_8bit": "AdamW8bit",  # torchao.optim
@@ -51,15 +51,11 @@ def main(argv=None) -> dict:
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,
-        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
         project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
-        dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     # The technique's library, imported once the launch is known to be valid: --help and a refused launch

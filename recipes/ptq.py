@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import GradientAccumulationPlugin
+from accelerate import Accelerator
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
@@ -40,19 +39,9 @@ def main(argv=None) -> dict:
                          "recipes/baseline.py).")
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE)
-    accelerator = Accelerator(
-        cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
-        mixed_precision=launch.mixed_precision,
-        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
-        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
-        log_with=launch.log_with,
-        project_dir=launch.output_dir,
-        kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
-        dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
-    )
+    # No training: one process, which the Accelerator only places on its device and evaluates through (none of the
+    # training arguments, precision, sampler, scheduler stepping, would act here).
+    accelerator = Accelerator()
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     # The technique's library, imported once the launch is known to be valid: --help and a refused launch
     # need not wait for its import (seconds).

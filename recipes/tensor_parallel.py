@@ -20,13 +20,13 @@ from pathlib import Path
 import torch.distributed as dist
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.data_loader import prepare_data_loader
-from accelerate.utils import GradientAccumulationPlugin, gather_object
+from accelerate.utils import gather_object
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.core.args import COUNT, parse_args
-from shared.core.checkpoint import checkpoint_dtensors, maybe_save_checkpoint, resume
+from shared.core.checkpoint import maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
 from shared.core.launch import entrypoint, resolve_launch, start_run
@@ -39,6 +39,7 @@ from shared.core.tasks import load_task
 from shared.techniques.tensor_parallel import (
     PLANS,
     check_flags,
+    checkpoint_dtensors,
     clip_grad_norm,
     family_of,
     local_param_counts,
@@ -72,15 +73,11 @@ def main(argv=None) -> dict:
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,
-        # Sync every k-th micro-batch, counted across epoch ends (not also at each dataloader end).
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=launch.gradient_accumulation_steps, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, not once per process
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # resumed runs see the same batches
         log_with=launch.log_with,
         project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
-        dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     from torch.distributed.fsdp import fully_shard

@@ -28,8 +28,8 @@ from shared.core.results import finish
 from shared.core.tasks import load_task
 from shared.techniques.deepspeed_setup import (
     add_deepspeed_args,
-    count_model_states_at_first_step,
     deepspeed_summary,
+    patch_zero_step_to_count_states,
     resolve_deepspeed_config,
     schedule_the_optimizer_that_steps,
     zero_config,
@@ -66,7 +66,6 @@ def main(argv=None) -> dict:
         log_with=launch.log_with,
         project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
-        dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
         deepspeed_plugin=plugin,
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
@@ -85,7 +84,7 @@ def main(argv=None) -> dict:
     meter = Meter(accelerator, launch, task, model, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
     meter.extras.update(deepspeed_summary(accelerator, model))
-    count_model_states_at_first_step(meter, model, optimizer)  # ZeRO frees gradients inside its step
+    patch_zero_step_to_count_states(meter, model, optimizer)  # ZeRO frees gradients inside its own step
 
     model.train()
     for step in meter.steps(start_step, max_steps):

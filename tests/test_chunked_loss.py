@@ -13,9 +13,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python tests/test_chunked_loss.py`: the docs' table
 
-from shared.core.meter import saved_activation_bytes
 from shared.core.tasks import Task
 from shared.techniques.chunked_loss import ChunkedLoss, chunked_cross_entropy, output_head
+from shared.techniques.probes import saved_activation_bytes
 from tests.conftest import launch, max_param_diff, run_recipe
 from tests.test_zero import causal_lm_dir, params
 
@@ -219,7 +219,7 @@ def benchmark(rows: tuple[tuple[int, int], ...] = ((16384, 1024), (32000, 2048),
 
     from torch import nn
 
-    from shared.core.meter import current_memory_bytes, peak_memory_bytes, reset_peak_memory
+    from shared.core.measure import current_memory_bytes, peak_memory_bytes, reset_peak_memory
     from shared.techniques.chunked_loss import plain_cross_entropy
 
     cpu = torch.device("cpu")

@@ -15,7 +15,7 @@ import torch
 
 from shared.core import rules
 from shared.core.launch import resolve_compile
-from shared.core.meter import compile_times
+from shared.core.measure import compile_times
 from tests.conftest import launch, run_recipe
 
 # fp32, no dropout (inductor draws its own random numbers), constant LR, whole batches only (a new shape recompiles).

@@ -9,9 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shared.core.checkpoint import checkpoint_per_process
 from shared.core.models import preset_config, transformer_layers
-from shared.techniques.pipeline_stages import Stage, split_layers, summed_loss
+from shared.techniques.pipeline_stages import Stage, checkpoint_per_process, split_layers, summed_loss
 from tests.conftest import launch, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON, single
 from tests.test_reliability import _kill_tree, _start, _wait_for_checkpoint

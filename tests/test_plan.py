@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.core.meter import saved_activation_bytes
 from shared.core.models import AUTO_CLASSES, preset_config
+from shared.techniques.probes import saved_activation_bytes
 from shared.tools import plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,7 +141,7 @@ def _config(task, h, n_layers, a, i, dropout):
 
 @pytest.mark.parametrize("case", ACTIVATION_CASES, ids=lambda c: f"{c[0]}-{c[8]}-ckpt{int(c[9])}-drop{int(c[7])}")
 def test_activation_formula_matches_saved_tensors(case):
-    """Bytes autograd saves in one forward + loss (shared.core.meter.saved_activation_bytes), on CPU, vs the formula."""
+    """Bytes autograd saves in one forward + loss (techniques.probes.saved_activation_bytes), on CPU, vs the formula."""
     task, h, n_layers, a, i, b, s, dropout, precision, ckpt = case
     cfg = _config(task, h, n_layers, a, i, dropout)
     torch.manual_seed(0)

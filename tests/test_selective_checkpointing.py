@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.core.meter import forward_kept_bytes
 from shared.core.models import AUTO_CLASSES, preset_config, transformer_layers
+from shared.techniques.probes import forward_kept_bytes
 from shared.tools import plan
 from tests.conftest import load_recipe, run_recipe
 

@@ -107,7 +107,7 @@ def test_dcp_hooks_round_trip_and_refuse_another_mesh(tmp_path):
     back; a checkpoint of another mesh is refused, naming the flags to resume with."""
     import torch
 
-    from shared.core.checkpoint import checkpoint_dtensors
+    from shared.techniques.tensor_parallel import checkpoint_dtensors
 
     saved, into = _Hooks(), _Hooks()
     model, optimizer, scheduler = _trained(0)

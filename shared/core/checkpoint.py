@@ -1,6 +1,7 @@
 """Resumable checkpoints: Accelerate's full training state plus the step and data position, written atomically,
 verified by a manifest, and written on SIGTERM/SIGINT before the process exits. Pipeline stages, which no process
-holds whole, add their per-process state through checkpoint_per_process."""
+holds whole, and DTensor models add their own state through save/load hooks (techniques/pipeline_stages.py
+checkpoint_per_process, techniques/tensor_parallel.py checkpoint_dtensors); the manifest covers what they write."""
 
 from __future__ import annotations
 
@@ -13,9 +14,6 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
 if TYPE_CHECKING:
     from .launch import Launch
 
@@ -23,40 +21,46 @@ logger = logging.getLogger("recipes")
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
 STAGE_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt")  # in each rank_NNNNN/ of a per-process save
-_signal_received: list[int] = []
-_agreed_signal = [0]  # several processes: the signal they agreed on at the meter's last logging step
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def local_signal() -> int:
-    """The preemption signal this process received (0: none)."""
-    return _signal_received[0] if _signal_received else 0
+class Preemption:
+    """SIGTERM (a scheduler's preemption) and SIGINT: the handler notes the signal, and the next step boundary saves
+    and exits (a second SIGINT interrupts at once, as usual). With several processes, all act on the signal they
+    agreed on in the meter's logging collective (Meter.record calls `agree`), so every one saves at the same step.
+    The run's one instance is `launch.preemption` (installed by start_run)."""
 
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-def agree_on_signal(received: list[float]) -> None:
-    """Called by the meter at its logging steps with, for each PREEMPTION_SIGNALS, how many processes got it."""
-    _agreed_signal[0] = next((int(s) for s, n in zip(PREEMPTION_SIGNALS, received, strict=True) if n), 0)
+    def __init__(self) -> None:
+        self.local = 0  # the signal this process received (0: none)
+        self.agreed = 0  # the signal the processes agreed on at the meter's last logging step
+
+    def install(self) -> None:
+        def handler(signum, _frame):
+            if signum == signal.SIGINT and self.local:
+                raise KeyboardInterrupt
+            self.local = self.local or signum
+
+        for signum in self.SIGNALS:
+            signal.signal(signum, handler)
+
+    def received(self) -> list[float]:
+        """This process's vote, one per SIGNALS, for the meter's logging collective."""
+        return [float(self.local == s) for s in self.SIGNALS]
+
+    def agree(self, counts: list[float]) -> None:
+        """The collective's result: how many processes received each of SIGNALS."""
+        self.agreed = next((int(s) for s, n in zip(self.SIGNALS, counts, strict=True) if n), 0)
+
+    def signal(self, num_processes: int) -> int:
+        """The signal to act on now (0 if none). One process acts at once; several at the next logging step, so a
+        step that does not log waits on no collective and no host read for it: keep --logging_steps x the step time
+        under the scheduler's grace period."""
+        return self.local if num_processes == 1 else self.agreed
 
 
 def checkpoints_root(output_dir: str) -> Path:
     return Path(output_dir) / "checkpoints"
-
-
-def install_preemption_handler() -> None:
-    """SIGTERM (a scheduler's preemption) and SIGINT set a flag; the next step boundary saves and exits.
-
-    A second SIGINT interrupts at once, as usual.
-    """
-
-    def handler(signum, _frame):
-        if signum == signal.SIGINT and _signal_received:
-            raise KeyboardInterrupt
-        _signal_received.append(signum)
-
-    _signal_received.clear()
-    _agreed_signal[0] = 0
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
 
 
 def _sha256(path: Path) -> str:
@@ -119,97 +123,9 @@ def save_checkpoint(accelerator, output_dir: str, step: int, micro_batches: int,
     return final
 
 
-def checkpoint_per_process(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
-    """Make save_state/load_state save and restore this process's own model, optimizer and scheduler.
-
-    For models that are not prepared, whose parameters differ per process (a pipeline stage): Accelerate's
-    register_for_checkpointing saves from the main process only, so every other stage would be lost. These hooks run
-    on every process inside save_state/load_state and use <checkpoint>/rank_<process index>/. Accelerate still saves
-    and restores each process's RNG states, and save_checkpoint's manifest covers the rank directories.
-    """
-    from safetensors.torch import load_model, save_model
-
-    def save_hook(_models: list, _weights: list, output_dir: str) -> None:
-        own = Path(output_dir) / f"rank_{accelerator.process_index:05d}"
-        own.mkdir(parents=True, exist_ok=True)
-        save_model(model, str(own / STAGE_FILES[0]))  # safetensors: drops a tensor's second name if shared
-        torch.save(optimizer.state_dict(), own / STAGE_FILES[1])
-        torch.save(scheduler.state_dict(), own / STAGE_FILES[2])
-
-    def load_hook(_models: list, input_dir: str) -> None:
-        saved = len(list(Path(input_dir).glob("rank_*")))
-        own = Path(input_dir) / f"rank_{accelerator.process_index:05d}"
-        if saved != accelerator.num_processes or not own.is_dir():
-            raise SystemExit(f"{input_dir} holds the state of {saved} processes (one rank_* directory each), and "
-                             f"this run has {accelerator.num_processes}: each process resumes its own pipeline stage. "
-                             f"Resume with --num_processes {saved} and the same --pipeline_stages/--layers_per_stage "
-                             "as the run that saved it.")
-        device = accelerator.device
-        location = "cpu" if device.type == "cpu" else str(device)  # safetensors refuses "cpu:0"
-        try:
-            load_model(model, str(own / STAGE_FILES[0]), strict=True, device=location)
-        except RuntimeError as err:  # the same process count, another cut of the model
-            found = " ".join(str(err).split()[5:])  # after "Error(s) in loading state_dict for Stage:"
-            raise SystemExit(f"{own} holds another stage than this process's ({found[:200]} ...). Resume with the "
-                             "same --pipeline_stages/--layers_per_stage as the run that saved it.") from None
-        optimizer.load_state_dict(torch.load(own / STAGE_FILES[1], weights_only=True, map_location=location))
-        scheduler.load_state_dict(torch.load(own / STAGE_FILES[2], weights_only=True, map_location=location))
-
-    accelerator.register_save_state_pre_hook(save_hook)
-    accelerator.register_load_state_pre_hook(load_hook)
-
-
-def checkpoint_dtensors(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-                       layout: dict[str, int]) -> None:
-    """Make save_state/load_state save and restore a model whose parameters are DTensors (tensor parallel, FSDP2 on
-    a device mesh that Accelerate did not build) with torch.distributed.checkpoint: every process writes its own
-    shards of the model and of the optimizer state into <checkpoint>/dcp/ and reads them back in place.
-
-    `layout` (e.g. {"dp": 2, "tp": 2}) is saved beside them: a resume on another mesh is refused, since the data
-    position counts this mesh's batches and GPT-2's fused qkv rows are ordered for this tensor-parallel degree.
-    Accelerate still saves and restores each process's RNG states; save_checkpoint's manifest covers dcp/."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    def save_hook(_models: list, _weights: list, output_dir: str) -> None:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(Path(output_dir) / "dcp"))
-        if accelerator.is_main_process:  # the same on every process
-            torch.save(scheduler.state_dict(), Path(output_dir) / STAGE_FILES[2])
-            (Path(output_dir) / "mesh.json").write_text(json.dumps(layout))
-
-    def load_hook(_models: list, input_dir: str) -> None:
-        if not (Path(input_dir) / "mesh.json").exists():
-            raise SystemExit(f"{input_dir} has no mesh.json: it was not saved by a DTensor run (tensor parallel). "
-                             "Resume from a checkpoint this recipe wrote, or drop --resume_from_checkpoint.")
-        saved = json.loads((Path(input_dir) / "mesh.json").read_text())
-        if saved != layout:
-            raise SystemExit(f"{input_dir} was saved on the mesh {saved}, and this run's is {layout}. Resume with "
-                             f"the same --num_processes and --tp_size as the run that saved it.")
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=str(Path(input_dir) / "dcp"))  # into this process's shards, in place
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        scheduler.load_state_dict(torch.load(Path(input_dir) / STAGE_FILES[2], weights_only=True))
-
-    accelerator.register_save_state_pre_hook(save_hook)
-    accelerator.register_load_state_pre_hook(load_hook)
-
-
-def _preempted(accelerator) -> int:
-    """The signal any process received (0 if none), agreed by all processes so that all of them save and stop.
-
-    With several processes the agreement rides on the meter's logging collective (shared/core/meter.py), so a step
-    that does not log waits on no collective and no host read for it: a SIGTERM is acted on at the next logging
-    step. Keep --logging_steps x the step time under the scheduler's grace period."""
-    if accelerator.num_processes == 1:
-        return local_signal()
-    return _agreed_signal[0]
-
-
 def maybe_save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int) -> None:
     """Every --checkpointing_steps optimizer steps, and at once after SIGTERM/SIGINT (then the run exits)."""
-    args, signum = launch.args, _preempted(accelerator)
+    args, signum = launch.args, launch.preemption.signal(accelerator.num_processes)
     if (args.checkpointing_steps and step % args.checkpointing_steps == 0) or signum:
         path = save_checkpoint(accelerator, launch.output_dir, step, micro_batches, keep=args.save_total_limit)
     if signum:

@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import quiet, rules
 from .args import FROM_SCRATCH_LR, PRETRAINED_LR
-from .checkpoint import install_preemption_handler
+from .checkpoint import Preemption
 from .fsdp_cpu import force_fsdp_on_cpu
 
 logger = logging.getLogger("recipes")
@@ -130,6 +130,7 @@ class Launch:
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None
     dynamo_plugin: TorchDynamoPlugin = field(default_factory=lambda: build_dynamo_plugin("none"))
     max_train_steps: int | None = None  # --max_train_steps, or the steps of --num_train_epochs (optim.total_steps)
+    preemption: Preemption = field(default_factory=Preemption)  # SIGTERM / SIGINT, agreed over the processes
 
     def resolved(self) -> dict[str, object]:
         """What the launch resolved, for results.json beside the flags as typed."""
@@ -245,7 +246,7 @@ def start_run(accelerator: Accelerator, launch: Launch) -> None:
         _enable_cpu_fp16(accelerator)
 
     args = launch.args
-    install_preemption_handler()
+    launch.preemption.install()
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         level=logging.INFO if accelerator.is_main_process else logging.WARNING,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .meter import stepping_optimizer
+from .measure import stepping_optimizer
 from .results import end_run
 from .rules import RECIPES, offload_of, sharding_of
 

@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from ..core.losses import causal_lm_loss, shift_labels, summed_cross_entropy
-from ..core.meter import saved_activation_bytes
 from .deepspeed_setup import gathered_parameters
+from .probes import saved_activation_bytes
 
 # Configs whose forward changes the logits after the head (Gemma's soft-capping, Cohere's and Granite's scales): a loss
 # computed from the head's own output would silently train another objective.
@@ -182,7 +182,7 @@ class ChunkedLoss:
     def saved_bytes(self, model: nn.Module, batch: dict) -> dict[str, object]:
         """Saved-for-backward bytes of this loss and of the plain one, from the same hidden states of one batch on.
 
-        Counted with shared.core.meter.saved_activation_bytes on a whole local copy of the head: its parameters are not
+        Counted with probes.saved_activation_bytes on a whole local copy of the head: its parameters are not
         counted (a gathered ZeRO-3 weight, a new storage, would be). Both figures include the hidden states: the
         chunks keep them (with the shifted labels) as their checkpoint inputs, the plain matmul as its input.
         """

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.meter import state_bytes
+from ..core.measure import state_bytes
 
 logger = logging.getLogger("recipes")
 
@@ -236,12 +236,13 @@ def _check_async_io() -> None:
                          "`apt-get install libaio-dev` (Debian/Ubuntu) or `yum install libaio-devel`, then rerun.")
 
 
-def count_model_states_at_first_step(meter, model: torch.nn.Module, optimizer: object) -> None:
-    """Count parameter, gradient and optimizer-state bytes around ZeRO's first optimizer step.
+def patch_zero_step_to_count_states(meter, model: torch.nn.Module, optimizer: object) -> None:
+    """Wrap ZeRO's optimizer step once, to give the meter parameter, gradient and optimizer-state bytes around it.
 
     ZeRO frees its gradient partitions inside step() (which `accelerator.backward` runs at the accumulation
-    boundary), and creates the optimizer moments there: gradients are counted just before the first step, parameters
-    and optimizer state just after, which is what the ZeRO paper's formula adds up.
+    boundary), and creates the optimizer moments there, so the loop never sees all three alive: gradients are
+    counted just before the first step, parameters and optimizer state just after (what the ZeRO paper's formula
+    adds up), and handed to meter.set_states. The wrapper removes itself after that first step.
     """
     zero_optimizer = model.optimizer
     original = zero_optimizer.step
@@ -251,10 +252,9 @@ def count_model_states_at_first_step(meter, model: torch.nn.Module, optimizer: o
         before = state_bytes(model, optimizer)
         out = original(*a, **kw)
         after = state_bytes(model, optimizer)
-        meter.state = {**after, "grad_bytes": before["grad_bytes"]}
         inner = zero_optimizer.optimizer
-        meter.extras["optimizer_state_devices"] = sorted(
-            {str(t.device) for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)})
+        meter.set_states({**after, "grad_bytes": before["grad_bytes"]}, optimizer_state_devices=sorted(
+            {str(t.device) for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)}))
         return out
 
     zero_optimizer.step = step

@@ -7,11 +7,13 @@ replaced by empty modules, so parameter names stay those of the whole model (a s
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.checkpoint import STAGE_FILES
 from ..core.losses import summed_loss as summed_loss  # the last stage's loss_fn: the spine's own
 from ..core.models import transformer_layers
 
@@ -208,3 +210,43 @@ def save_stage_shards(accelerator, output_dir: str, task, stage: Stage, stage_in
         task.model.config.save_pretrained(output_dir)
         task.save_preprocessing(output_dir)
     accelerator.wait_for_everyone()
+
+
+def checkpoint_per_process(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
+    """Make save_state/load_state save and restore this process's own model, optimizer and scheduler.
+
+    For models that are not prepared, whose parameters differ per process (a pipeline stage): Accelerate's
+    register_for_checkpointing saves from the main process only, so every other stage would be lost. These hooks run
+    on every process inside save_state/load_state and use <checkpoint>/rank_<process index>/. Accelerate still saves
+    and restores each process's RNG states, and save_checkpoint's manifest covers the rank directories.
+    """
+    from safetensors.torch import load_model, save_model
+
+    def save_hook(_models: list, _weights: list, output_dir: str) -> None:
+        own = Path(output_dir) / f"rank_{accelerator.process_index:05d}"
+        own.mkdir(parents=True, exist_ok=True)
+        save_model(model, str(own / STAGE_FILES[0]))  # safetensors: drops a tensor's second name if shared
+        torch.save(optimizer.state_dict(), own / STAGE_FILES[1])
+        torch.save(scheduler.state_dict(), own / STAGE_FILES[2])
+
+    def load_hook(_models: list, input_dir: str) -> None:
+        saved = len(list(Path(input_dir).glob("rank_*")))
+        own = Path(input_dir) / f"rank_{accelerator.process_index:05d}"
+        if saved != accelerator.num_processes or not own.is_dir():
+            raise SystemExit(f"{input_dir} holds the state of {saved} processes (one rank_* directory each), and "
+                             f"this run has {accelerator.num_processes}: each process resumes its own pipeline stage. "
+                             f"Resume with --num_processes {saved} and the same --pipeline_stages/--layers_per_stage "
+                             "as the run that saved it.")
+        device = accelerator.device
+        location = "cpu" if device.type == "cpu" else str(device)  # safetensors refuses "cpu:0"
+        try:
+            load_model(model, str(own / STAGE_FILES[0]), strict=True, device=location)
+        except RuntimeError as err:  # the same process count, another cut of the model
+            found = " ".join(str(err).split()[5:])  # after "Error(s) in loading state_dict for Stage:"
+            raise SystemExit(f"{own} holds another stage than this process's ({found[:200]} ...). Resume with the "
+                             "same --pipeline_stages/--layers_per_stage as the run that saved it.") from None
+        optimizer.load_state_dict(torch.load(own / STAGE_FILES[1], weights_only=True, map_location=location))
+        scheduler.load_state_dict(torch.load(own / STAGE_FILES[2], weights_only=True, map_location=location))
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)

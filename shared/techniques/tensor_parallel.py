@@ -8,9 +8,13 @@ every process holds it whole and computes it on the same batch, so its gradients
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from ..core.checkpoint import STAGE_FILES
 from ..core.models import transformer_layers
 
 # model_type -> {module inside each block: "colwise" | "rowwise"}; the pairs are (qkv -> out) and (up -> down).
@@ -208,3 +212,40 @@ def local_param_counts(model: nn.Module) -> dict[str, int]:
         split = "tp" in names and p.placements[names.index("tp")].is_shard()
         counts["sharded" if split else "replicated"] += (p.to_local() if isinstance(p, DTensor) else p).numel()
     return counts
+
+
+def checkpoint_dtensors(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+                       layout: dict[str, int]) -> None:
+    """Make save_state/load_state save and restore a model whose parameters are DTensors (tensor parallel, FSDP2 on
+    a device mesh that Accelerate did not build) with torch.distributed.checkpoint: every process writes its own
+    shards of the model and of the optimizer state into <checkpoint>/dcp/ and reads them back in place.
+
+    `layout` (e.g. {"dp": 2, "tp": 2}) is saved beside them: a resume on another mesh is refused, since the data
+    position counts this mesh's batches and GPT-2's fused qkv rows are ordered for this tensor-parallel degree.
+    Accelerate still saves and restores each process's RNG states; save_checkpoint's manifest covers dcp/."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def save_hook(_models: list, _weights: list, output_dir: str) -> None:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(Path(output_dir) / "dcp"))
+        if accelerator.is_main_process:  # the same on every process
+            torch.save(scheduler.state_dict(), Path(output_dir) / STAGE_FILES[2])
+            (Path(output_dir) / "mesh.json").write_text(json.dumps(layout))
+
+    def load_hook(_models: list, input_dir: str) -> None:
+        if not (Path(input_dir) / "mesh.json").exists():
+            raise SystemExit(f"{input_dir} has no mesh.json: it was not saved by a DTensor run (tensor parallel). "
+                             "Resume from a checkpoint this recipe wrote, or drop --resume_from_checkpoint.")
+        saved = json.loads((Path(input_dir) / "mesh.json").read_text())
+        if saved != layout:
+            raise SystemExit(f"{input_dir} was saved on the mesh {saved}, and this run's is {layout}. Resume with "
+                             f"the same --num_processes and --tp_size as the run that saved it.")
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(Path(input_dir) / "dcp"))  # into this process's shards, in place
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        scheduler.load_state_dict(torch.load(Path(input_dir) / STAGE_FILES[2], weights_only=True))
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)

@@ -278,7 +278,7 @@ def torchao_adam_state_bytes(numels: list[int], optim: str) -> float:
 
 @dataclass
 class Activations:
-    saved: float  # bytes autograd keeps from forward to backward (what meter.saved_activation_bytes counts)
+    saved: float  # bytes autograd keeps from forward to backward (what probes.saved_activation_bytes counts)
     layer: float  # added back at peak in backward: the block being recomputed under checkpointing
     transient: float  # extra bytes alive at the loss (logits copies) on top of `saved`
     weight_copies: float  # 16-bit copies of the weights autocast keeps for backward (inside `saved`)
