@@ -5,15 +5,22 @@
 
 DEST gets the recipe (DEST/<recipe>.py), the modules of shared/ it imports, transitively, vendored as the package
 `recipe_core` (so a `shared` or `utils` package of your own is never shadowed), the launch configs its docstring
-names (DEST/accelerate_configs/), requirements.txt and a README. Files of yours in DEST are never overwritten: a
-README.md or requirements.txt of yours makes it write README_<recipe>.md / requirements-recipes.txt, and anything
-else in the way stops it before it writes anything. A DEST/<recipe>.py that differs needs --force.
+names (and accelerate_configs/multi_cpu.yaml, the CPU-only form, for a recipe that runs in several processes), a
+requirements.txt of the packages those files import (pinned as the recipes' requirements.txt pins them) and a README
+that says what each launch line starts.
+
+A second recipe copied into the same DEST adds what it needs (requirements.txt gets its packages, its README is
+README_<recipe>.md). No edit of yours is ever lost: a README.md or requirements.txt of yours makes it write
+README_<recipe>.md / requirements-recipes.txt; a file this command wrote that you edited since stays as it is (and is
+what runs), the fresh copy written beside it as FILE.new; --force takes the fresh copy and keeps yours as FILE.orig.
+Any other file of yours in the way stops it before it writes anything, --force or not.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import io
 import json
@@ -69,6 +76,12 @@ class _Text:
 
     def tok_offset(self, tok: tokenize.TokenInfo) -> int:
         return self.starts[tok.start[0] - 1] + tok.start[1]
+
+
+@functools.lru_cache(maxsize=512)
+def _parse(data: bytes) -> ast.Module:
+    """A file's tree, parsed once however many recipes copy it (nothing here changes a tree)."""
+    return ast.parse(data)
 
 
 def _is_core(name: str | None, core: str = CORE) -> bool:
@@ -229,6 +242,16 @@ def _imported_modules(tree: ast.AST, package: tuple[str, ...] | None, where: str
     return targets
 
 
+@functools.lru_cache(maxsize=512)
+def _core_modules_of(data: bytes, package: tuple[str, ...], where: str) -> frozenset[tuple[str, ...]]:
+    return frozenset(_imported_modules(_parse(data), package, where))  # once per core file, not once per recipe
+
+
+@functools.lru_cache(maxsize=512)
+def _imports_core(data: bytes) -> bool:
+    return bool(core_imports(_parse(data)))
+
+
 def core_closure(recipe_tree: ast.AST, where: str = "the recipe") -> dict[tuple[str, ...], Path]:
     """The core modules a recipe needs: those it imports, what they import (relative imports, imports inside
     functions), their packages' __init__.py, and the core's own __init__.py (importing any module runs it)."""
@@ -245,7 +268,7 @@ def core_closure(recipe_tree: ast.AST, where: str = "the recipe") -> dict[tuple[
         found[parts] = path
         package = parts if path.name == "__init__.py" else parts[:-1]
         todo |= {parts[:i] for i in range(len(parts))}  # parent packages
-        todo |= _imported_modules(ast.parse(path.read_bytes()), package, str(path.relative_to(ROOT)))
+        todo |= _core_modules_of(path.read_bytes(), package, str(path.relative_to(ROOT)))
     return found
 
 
@@ -295,10 +318,15 @@ def launch_configs(docstring: str, root: Path = ROOT) -> tuple[list[Path], list[
 
 
 def _config(path: Path) -> dict:
+    return _yaml(path.read_text())
+
+
+@functools.lru_cache(maxsize=128)
+def _yaml(text: str) -> dict:
     import yaml  # PyYAML: an Accelerate dependency
 
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(text)
     except Exception:  # a config that does not parse: nothing known about it
         return {}
     return data if isinstance(data, dict) else {}
@@ -385,24 +413,30 @@ def _report_to_default(tree: ast.AST) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=512)
+def _file_needs(data: bytes) -> frozenset[str]:
+    """The top-level names one file imports (not the optional ones), and the tracker its --report_to defaults to."""
+    tree = _parse(data)
+    optional = _optional(tree)
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in optional:
+            continue
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    tracker = _report_to_default(tree)
+    if tracker and tracker not in ("none", "all"):
+        names |= {TRACKER_PACKAGES.get(t.strip(), t.strip()) for t in tracker.split(",") if t.strip()}
+    return frozenset(names)
+
+
 def needed_packages(sources: list[bytes], configs: list[Path] = ()) -> list[str]:
     """The pip names the copied files need: their imports at any depth (the core imports some libraries inside
     functions), the tracker --report_to defaults to, and DeepSpeed for a DeepSpeed launch config; not imports that
     the code guards with `except ImportError`, nor the standard library or the vendored core."""
-    names: set[str] = set()
-    for data in sources:
-        tree = ast.parse(data)
-        optional = _optional(tree)
-        for node in ast.walk(tree):
-            if id(node) in optional:
-                continue
-            if isinstance(node, ast.Import):
-                names |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names.add(node.module.split(".")[0])
-        tracker = _report_to_default(tree)
-        if tracker and tracker not in ("none", "all"):
-            names |= {TRACKER_PACKAGES.get(t.strip(), t.strip()) for t in tracker.split(",") if t.strip()}
+    names: set[str] = set().union(*(_file_needs(data) for data in sources))
     for path in configs:  # accelerate imports deepspeed for a DEEPSPEED launch
         if path.suffix in (".yaml", ".yml") and str(_config(path).get("distributed_type")) == "DEEPSPEED":
             names.add("deepspeed")
@@ -552,7 +586,7 @@ def plan_copy(recipe_path: Path, dest: Path) -> Copy:
     for _, path in sorted(core_closure(tree, origin).items()):
         rel = path.relative_to(CORE_DIR).as_posix()
         data = path.read_bytes()
-        if core_imports(ast.parse(data)):  # an absolute `shared.` import inside the core would leave DEST
+        if _imports_core(data):  # an absolute `shared.` import inside the core would leave DEST
             data = rewrite_imports(data.decode()).encode()
             c.rewritten_core.append(rel)
         c.files[f"{VENDORED}/{rel}"] = (data, f"{CORE}/{rel}")
