@@ -320,6 +320,7 @@ def test_never_overwrites_the_users_files(tmp_path):
     c = copy_recipe("baseline", dest, force=True)  # --force takes the fresh copy, and keeps the edit beside it
     assert (dest / "baseline.py").read_text() == fresh and (dest / "baseline.py.orig").read_text() == "# my edits\n"
     assert c.backups == {"baseline.py": "baseline.py.orig"} and "baseline.py.orig" in summary(c)
+    assert not (dest / "baseline.py.new").exists()  # the earlier fresh copy is the one in place now
     (dest / "baseline.py").write_text("# edited again\n")
     copy_recipe("baseline", dest, force=True)  # a second backup never replaces the first
     assert (dest / "baseline.py.orig").read_text() == "# my edits\n"

@@ -677,6 +677,9 @@ def write_copy(c: Copy, force: bool = False) -> Copy:
             if rel in edited:  # --force: the user's version moves aside, never lost
                 c.backups[rel] = _free(dest, rel, ".orig")
                 path.rename(dest / c.backups[rel])
+                if _ours(dest, rel + ".new", manifest):  # an earlier run's fresh copy beside it: now in place
+                    (dest / (rel + ".new")).unlink()
+                    del manifest[rel + ".new"]
             path.write_bytes(data)
             c.written.append(rel)
         manifest[rel] = entry
