@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import math
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.tools.cp import VENDORED, copy_recipe, launch_configs, recipe_names
+from shared.tools.cp import VENDORED, copied_lines, copy_recipe, launch_configs, plan_copy, recipe_names, summary
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,23 +64,44 @@ def _core_imports(tree: ast.AST, core: str = "shared") -> list[int]:
     return lines
 
 
+@functools.cache
+def _nodes(path: Path) -> list[ast.AST]:
+    return list(ast.walk(ast.parse(path.read_text())))
+
+
 def _closure(recipe: str) -> set[str]:
-    """The core files a recipe imports, transitively: written here independently of shared/tools/cp.py (the core is one
-    flat package: `shared.X`, `from . import X`, `from .X import y`, at any depth)."""
+    """The core files a recipe imports, transitively, as paths below shared/: written here independently of
+    shared/tools/cp.py (`shared.a.b`, `from shared.a import b`, `from . import x`, `from ..core.x import y`, at any
+    depth, and every package's __init__.py on the way)."""
+    core = ROOT / "shared"
+
+    def module(parts: list[str]) -> Path | None:
+        base = core.joinpath(*parts)
+        return next((f for f in (base / "__init__.py", base.with_suffix(".py")) if parts and f.is_file()), None)
+
     todo, found = [ROOT / "recipes" / f"{recipe}.py"], {"__init__.py"}
     while todo:
-        for node in ast.walk(ast.parse(todo.pop().read_text())):
-            names: list[str] = []
+        path = todo.pop()
+        package = path.parent.relative_to(core).parts if path.is_relative_to(core) else None
+        for node in _nodes(path):
+            wanted: list[list[str]] = []
             if isinstance(node, ast.Import):
-                names = [a.name.split(".")[1] for a in node.names if a.name.startswith("shared.")]
-            elif isinstance(node, ast.ImportFrom) and (node.level == 1 or node.module in ("shared",)
-                                                       or (node.module or "").startswith("shared.")):
-                module = node.module.removeprefix("shared").lstrip(".") if node.module else ""
-                names = [module] if module else [a.name for a in node.names]
-            for n in names:
-                if (ROOT / "shared" / f"{n}.py").is_file() and f"{n}.py" not in found:
-                    found.add(f"{n}.py")
-                    todo.append(ROOT / "shared" / f"{n}.py")
+                wanted = [a.name.split(".")[1:] for a in node.names if a.name.startswith("shared.")]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level == 0 and (node.module or "").split(".")[0] == "shared":
+                    base = node.module.split(".")[1:]
+                elif node.level > 0 and package is not None:
+                    base = list(package[: len(package) - node.level + 1]) + (node.module.split(".") if node.module
+                                                                             else [])
+                else:
+                    continue
+                wanted = [base] + [base + [a.name] for a in node.names]
+            for parts in wanted:
+                for i in range(1, len(parts) + 1):  # the packages on the way, and the module
+                    f = module(parts[:i])
+                    if f is not None and f.relative_to(core).as_posix() not in found:
+                        found.add(f.relative_to(core).as_posix())
+                        todo.append(f)
     return found
 
 
@@ -112,15 +134,30 @@ def _check_copy(dest: Path, recipe: str, readme: str = "README.md") -> None:
     assert _core_imports(tree) == [] and _core_imports(tree, VENDORED), "imports not renamed to recipe_core"
     assert NEW_PATH_LINE in text.splitlines() and "parents[1]" not in text
     assert f"recipes/{recipe}.py" not in (ast.get_docstring(tree) or "")
-    for path in (dest / VENDORED).glob("*.py"):
-        assert _core_imports(ast.parse(path.read_text())) == [], path
-    assert {p.name for p in (dest / VENDORED).glob("*.py")} == _closure(recipe)
+    copied = {p.relative_to(dest / VENDORED).as_posix() for p in (dest / VENDORED).rglob("*.py")}
+    assert copied == _closure(recipe) and "core/args.py" in copied
+    for rel in copied:
+        assert _core_imports(ast.parse((dest / VENDORED / rel).read_text())) == [], rel
     named = set(re.findall(r"accelerate_configs/[\w.\-]+\.(?:yaml|json)", ast.get_docstring(tree) or ""))
     assert {f"accelerate_configs/{p.name}" for p in (dest / "accelerate_configs").glob("*")} >= named
     notes = (dest / readme).read_text()
     assert f"python {recipe}.py" in notes
     for cfg in (dest / "accelerate_configs").glob("*.yaml"):
         assert f"accelerate launch --config_file accelerate_configs/{cfg.name} {recipe}.py" in notes
+
+
+def _requirements(path: Path) -> dict[str, str]:
+    """pip name -> line, of a requirements file."""
+    lines = [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    return {re.split(r"[=<>~! ]", line)[0].lower(): line for line in lines}
+
+
+def _check_requirements(path: Path) -> dict[str, str]:
+    """The copy's requirements are lines of the repository's, torch among them, its test and lint tools not."""
+    req, repo = _requirements(path), _requirements(ROOT / "requirements.txt")
+    assert set(req.values()) <= set(repo.values()) and "torch" in req, req
+    assert not set(req) & {"pytest", "pytest-xdist", "ruff"}, req
+    return req
 
 
 def _check_results(r: dict, recipe: str, processes: int) -> None:
@@ -140,6 +177,8 @@ RUNS = [
     pytest.param("pipeline_parallel", "pipeline.yaml", 2, ("--per_device_train_batch_size", "8",
                                                            "--n_microbatches", "4"), marks=pytest.mark.slow),
     pytest.param("tensor_parallel", "multi_cpu.yaml", 2, (), marks=pytest.mark.slow),
+    # Its docstring names no config: the copy's multi_cpu.yaml (the README's CPU-only line) comes from extra_configs.
+    pytest.param("gradient_accumulation", "multi_cpu.yaml", 2, (), marks=pytest.mark.slow),
 ]
 
 
@@ -150,7 +189,7 @@ def test_copied_recipe_runs_outside_the_repository(tmp_path, recipe, config, pro
     assert proc.returncode == 0, proc.stderr
     assert f"python {recipe}.py" in proc.stdout  # the summary names the run command
     _check_copy(dest, recipe)
-    assert (dest / "requirements.txt").read_bytes() == (ROOT / "requirements.txt").read_bytes()
+    _check_requirements(dest / "requirements.txt")
 
     loaded = _imported_from(dest, recipe)
     assert loaded and all(Path(f).is_relative_to(dest / VENDORED) for f in loaded.values()), loaded
@@ -173,7 +212,7 @@ def test_users_own_shared_and_utils_stay_untouched_and_unused(tmp_path):
     proc = _cp("baseline", str(dest))
     assert proc.returncode == 0, proc.stderr
     _check_copy(dest, "baseline", readme="README_baseline.md")
-    assert (dest / "requirements-recipes.txt").read_bytes() == (ROOT / "requirements.txt").read_bytes()
+    _check_requirements(dest / "requirements-recipes.txt")
     assert "pip install -r requirements-recipes.txt" in (dest / "README_baseline.md").read_text()
 
     loaded = _imported_from(dest, "baseline")
@@ -185,11 +224,13 @@ def test_users_own_shared_and_utils_stay_untouched_and_unused(tmp_path):
 
 def test_baseline_gets_only_the_core_modules_it_imports(tmp_path):
     c = copy_recipe("baseline", _outside(tmp_path))
-    copied = {p.name for p in (c.dest / VENDORED).glob("*.py")}
+    copied = {p.relative_to(c.dest / VENDORED).as_posix() for p in (c.dest / VENDORED).rglob("*.py")}
     assert copied == _closure("baseline")
-    # Pipeline, quantization and DeepSpeed are other recipes' business (the rule table, compat.py, is everyone's).
-    assert not copied & {"pipeline_stages.py", "quant.py", "deepspeed_setup.py", "cp.py"}
-    assert copied < {p.name for p in (ROOT / "shared").glob("*.py")}
+    # Pipeline, quantization and DeepSpeed are other recipes' business (the rule table, core/rules.py, is everyone's).
+    assert not {p.rsplit("/", 1)[-1] for p in copied} & {"pipeline_stages.py", "quant.py", "deepspeed_setup.py",
+                                                         "cp.py", "plan.py"}
+    assert "core/rules.py" in copied and copied < {p.relative_to(ROOT / "shared").as_posix()
+                                                   for p in (ROOT / "shared").rglob("*.py")}
 
 
 def test_every_recipe_copies_with_no_import_of_shared_left(tmp_path):
@@ -236,9 +277,9 @@ if __name__ == "__main__":
     assert _core_imports(ast.parse(text)) == [] and NEW_PATH_LINE in text
     assert '"""Weird: `python weird.py`; recipes/weirdo.py stays."""' in text
     assert "# shared.core.optim in a comment stays" in text and '"from shared.core.args import parse_args"' in text
-    assert "recipe_core.args, res" in text and "            recipe_core.meter]" in text
+    assert "recipe_core.core.args, res" in text and "            recipe_core.core.meter]" in text
     assert {"args.py", "results.py", "data.py", "models.py", "optim.py", "checkpoint.py", "meter.py"} <= {
-        r.removeprefix(f"{VENDORED}/") for r in c.files}
+        r.removeprefix(f"{VENDORED}/core/") for r in c.files}
     proc = subprocess.run([sys.executable, "weird.py"], cwd=dest, env=_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -269,26 +310,138 @@ def test_unknown_recipe_lists_the_recipes(tmp_path):
 def test_never_overwrites_the_users_files(tmp_path):
     dest = _outside(tmp_path)
     copy_recipe("baseline", dest)
-    copy_recipe("baseline", dest)  # a rerun is a no-op, not a refusal
+    c = copy_recipe("baseline", dest)  # a rerun is a no-op, not a refusal
+    assert c.written == [] and not c.kept and not c.backups
+    fresh = (dest / "baseline.py").read_text()
     (dest / "baseline.py").write_text("# my edits\n")
-    with pytest.raises(SystemExit, match="--force"):
-        copy_recipe("baseline", dest)
-    assert (dest / "baseline.py").read_text() == "# my edits\n"
-    copy_recipe("baseline", dest, force=True)
-    assert (dest / "baseline.py").read_text() != "# my edits\n"
+    c = copy_recipe("baseline", dest)  # the edited recipe stays, and is what runs; the fresh copy goes beside it
+    assert (dest / "baseline.py").read_text() == "# my edits\n" and (dest / "baseline.py.new").read_text() == fresh
+    assert c.kept == {"baseline.py": "baseline.py.new"} and "--force" in summary(c)
+    c = copy_recipe("baseline", dest, force=True)  # --force takes the fresh copy, and keeps the edit beside it
+    assert (dest / "baseline.py").read_text() == fresh and (dest / "baseline.py.orig").read_text() == "# my edits\n"
+    assert c.backups == {"baseline.py": "baseline.py.orig"} and "baseline.py.orig" in summary(c)
+    assert not (dest / "baseline.py.new").exists()  # the earlier fresh copy is the one in place now
+    (dest / "baseline.py").write_text("# edited again\n")
+    copy_recipe("baseline", dest, force=True)  # a second backup never replaces the first
+    assert (dest / "baseline.py.orig").read_text() == "# my edits\n"
+    assert (dest / "baseline.py.orig1").read_text() == "# edited again\n"
 
     # A file of the user's where the copy would write stops it before anything is written, --force or not.
     other = tmp_path / "other"
     (other / "accelerate_configs").mkdir(parents=True)
     (other / "accelerate_configs" / "multi_gpu.yaml").write_text("mine: true\n")
     for force in (False, True):
-        with pytest.raises(SystemExit, match="multi_gpu.yaml"):
+        with pytest.raises(SystemExit, match="multi_gpu.yaml.*Move or rename them"):
             copy_recipe("baseline", other, force=force)
     assert sorted(p.name for p in other.rglob("*")) == ["accelerate_configs", "multi_gpu.yaml"]
 
-    # A core module the user edited after copying is theirs now: kept unless --force.
-    (dest / VENDORED / "meter.py").write_text("# tuned\n")
-    with pytest.raises(SystemExit, match="meter.py"):
-        copy_recipe("baseline", dest)
-    copy_recipe("baseline", dest, force=True)
-    assert (dest / VENDORED / "meter.py").read_bytes() == (ROOT / "shared" / "meter.py").read_bytes()
+
+def _edited_core_survives(dest: Path, second: str, force: bool) -> None:
+    """Copy baseline, edit two copied files as a user would, copy `second` into the same folder."""
+    copy_recipe("baseline", dest)
+    args = dest / VENDORED / "core" / "args.py"
+    mine = args.read_text() + "# my tweak\n"
+    args.write_text(mine)
+    gpu = dest / "accelerate_configs" / "multi_gpu.yaml"  # as the README says: num_processes set to the GPU count
+    gpu_mine = gpu.read_text().replace("num_processes: 8", "num_processes: 2")
+    gpu.write_text(gpu_mine)
+    proc = _cp(second, str(dest), *(["--force"] if force else []))
+    assert proc.returncode == 0, proc.stderr
+    c = plan_copy(ROOT / "recipes" / f"{second}.py", dest)
+    fresh = c.files[f"{VENDORED}/core/args.py"][0]
+    if force:  # the fresh copies in place, the user's versions beside them, and the summary says so
+        assert args.read_bytes() == fresh and (dest / f"{VENDORED}/core/args.py.orig").read_text() == mine
+        assert f"{VENDORED}/core/args.py.orig" in proc.stdout
+    else:  # the user's versions stay in place (and in effect), the fresh copies beside them
+        assert args.read_text() == mine and (dest / f"{VENDORED}/core/args.py.new").read_bytes() == fresh
+        assert f"{VENDORED}/core/args.py.new" in proc.stdout and "--force" in proc.stdout
+    takes_gpu = "accelerate_configs/multi_gpu.yaml" in c.files
+    if takes_gpu and force:
+        assert (dest / "accelerate_configs" / "multi_gpu.yaml.orig").read_text() == gpu_mine
+    else:
+        assert gpu.read_text() == gpu_mine
+    if takes_gpu and not force:
+        assert (dest / "accelerate_configs" / "multi_gpu.yaml.new").read_bytes() == c.files[
+            "accelerate_configs/multi_gpu.yaml"][0]
+    # Everything else the second recipe needs is there, written for it; baseline's copy is still whole.
+    for rel, (data, _) in c.files.items():
+        if rel not in (f"{VENDORED}/core/args.py", "accelerate_configs/multi_gpu.yaml"):
+            assert (dest / rel).read_bytes() == data, rel
+    assert (dest / "baseline.py").is_file() and (dest / "README.md").is_file() and (dest / f"README_{second}.md")
+    req = _check_requirements(dest / "requirements.txt")  # both recipes' packages
+    assert "deepspeed" in req if second == "zero" else "tensorboard" in req
+    compile((dest / f"{second}.py").read_text(), f"{second}.py", "exec")
+
+
+@pytest.mark.parametrize("second, force", [("zero", False), ("fsdp", True), ("gradient_accumulation", False),
+                                           ("data_parallel", True)])
+def test_a_second_recipe_never_loses_the_users_edits(tmp_path, second, force):
+    _edited_core_survives(_outside(tmp_path), second, force)
+
+
+def test_no_tool_is_in_any_copy(tmp_path):
+    tools = {p.relative_to(ROOT / "shared").as_posix() for p in (ROOT / "shared" / "tools").rglob("*.py")}
+    assert {"tools/cp.py", "tools/plan.py", "tools/preflight.py"} <= tools
+    for recipe in recipe_names():
+        c = plan_copy(ROOT / "recipes" / f"{recipe}.py", tmp_path / recipe)
+        core = {rel.removeprefix(f"{VENDORED}/") for rel in c.files if rel.startswith(f"{VENDORED}/")}
+        assert core and not core & tools and not any(r.startswith("tools/") for r in core), recipe
+        assert not any("tools" in src.split("/") for _, src in c.files.values()), recipe
+        assert not re.search(rb"\b(shared|recipe_core)\.tools\b", c.files[f"{recipe}.py"][0]), recipe
+
+
+def _core_lines(c) -> int:
+    return sum(len(data.decode().splitlines()) for rel, (data, _) in c.files.items() if rel.startswith(f"{VENDORED}/"))
+
+
+@pytest.mark.xfail(strict=False, reason="baseline's copied core is ~3300 lines; another engineer is shrinking it")
+def test_baseline_core_is_at_most_3000_lines(tmp_path):
+    assert _core_lines(plan_copy(ROOT / "recipes" / "baseline.py", tmp_path)) <= 3000
+
+
+def test_copied_lines():
+    lines = copied_lines()
+    assert set(lines) == set(recipe_names())
+    recipe, core = lines["baseline"]
+    c = plan_copy(ROOT / "recipes" / "baseline.py", ROOT / "no-such-dest")
+    assert recipe == len((ROOT / "recipes" / "baseline.py").read_text().splitlines()) > 0
+    assert core == _core_lines(c) > 0
+    assert lines["zero3_offload"][1] > core  # it copies a technique module more
+
+
+def test_requirements_are_what_the_copy_imports(tmp_path):
+    base = _check_requirements_of("baseline", tmp_path)
+    assert {"torch", "accelerate", "transformers", "tensorboard"} <= set(base)  # tensorboard: --report_to's default
+    assert not set(base) & {"deepspeed", "bitsandbytes", "peft", "torchao", "matplotlib"}, base
+    assert "deepspeed" in _check_requirements_of("zero3_offload", tmp_path)
+    assert {"bitsandbytes", "torchao"} <= set(_check_requirements_of("optim_low_bit", tmp_path))
+    assert "peft" in _check_requirements_of("qlora", tmp_path)
+
+
+def _check_requirements_of(recipe: str, tmp_path: Path) -> dict[str, str]:
+    c = plan_copy(ROOT / "recipes" / f"{recipe}.py", tmp_path / recipe)
+    (tmp_path / f"{recipe}.txt").write_bytes(c.files["requirements.txt"][0])
+    return _check_requirements(tmp_path / f"{recipe}.txt")
+
+
+def test_every_multi_process_recipe_gets_the_cpu_config_and_says_what_each_line_starts(tmp_path):
+    from shared.core.rules import RECIPES
+
+    for recipe in recipe_names():
+        c = plan_copy(ROOT / "recipes" / f"{recipe}.py", tmp_path / recipe)
+        readme = c.files["README.md"][0].decode()
+        support = RECIPES[recipe]
+        multi = support.max_processes != 1 and support.shardings != ("none",)
+        assert ("accelerate_configs/multi_cpu.yaml" in c.configs) == (multi and support.min_processes <= 2), recipe
+        for cfg in c.configs:  # each launch line says how many processes it starts
+            line = next(x for x in readme.splitlines() if x.startswith(f"accelerate launch --config_file {cfg} "))
+            n = 1 if "distributed_type: 'NO'" in c.files[cfg][0].decode() else int(
+                re.search(r"(?m)^num_processes: (\d+)", c.files[cfg][0].decode()).group(1))
+            assert re.search(rf"# {n} process(es)?\b", line), line
+        if "accelerate_configs/multi_cpu.yaml" in c.configs:
+            assert "CPU-only machine" in next(x for x in readme.splitlines() if "multi_cpu.yaml " + recipe in x)
+        if "accelerate_configs/multi_gpu.yaml" in c.configs:
+            assert "set `num_processes` in it to your GPU count" in readme
+    # gradient_accumulation names no config: its copy still has both launch lines
+    assert {"accelerate_configs/multi_cpu.yaml", "accelerate_configs/multi_gpu.yaml"} <= set(
+        plan_copy(ROOT / "recipes" / "gradient_accumulation.py", tmp_path / "ga").configs)

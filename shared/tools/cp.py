@@ -5,15 +5,22 @@
 
 DEST gets the recipe (DEST/<recipe>.py), the modules of shared/ it imports, transitively, vendored as the package
 `recipe_core` (so a `shared` or `utils` package of your own is never shadowed), the launch configs its docstring
-names (DEST/accelerate_configs/), requirements.txt and a README. Files of yours in DEST are never overwritten: a
-README.md or requirements.txt of yours makes it write README_<recipe>.md / requirements-recipes.txt, and anything
-else in the way stops it before it writes anything. A DEST/<recipe>.py that differs needs --force.
+names (and accelerate_configs/multi_cpu.yaml, the CPU-only form, for a recipe that runs in several processes), a
+requirements.txt of the packages those files import (pinned as the recipes' requirements.txt pins them) and a README
+that says what each launch line starts.
+
+A second recipe copied into the same DEST adds what it needs (requirements.txt gets its packages, its README is
+README_<recipe>.md). No edit of yours is ever lost: a README.md or requirements.txt of yours makes it write
+README_<recipe>.md / requirements-recipes.txt; a file this command wrote that you edited since stays as it is (and is
+what runs), the fresh copy written beside it as FILE.new; --force takes the fresh copy and keeps yours as FILE.orig.
+Any other file of yours in the way stops it before it writes anything, --force or not.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import io
 import json
@@ -69,6 +76,12 @@ class _Text:
 
     def tok_offset(self, tok: tokenize.TokenInfo) -> int:
         return self.starts[tok.start[0] - 1] + tok.start[1]
+
+
+@functools.lru_cache(maxsize=512)
+def _parse(data: bytes) -> ast.Module:
+    """A file's tree, parsed once however many recipes copy it (nothing here changes a tree)."""
+    return ast.parse(data)
 
 
 def _is_core(name: str | None, core: str = CORE) -> bool:
@@ -229,6 +242,16 @@ def _imported_modules(tree: ast.AST, package: tuple[str, ...] | None, where: str
     return targets
 
 
+@functools.lru_cache(maxsize=512)
+def _core_modules_of(data: bytes, package: tuple[str, ...], where: str) -> frozenset[tuple[str, ...]]:
+    return frozenset(_imported_modules(_parse(data), package, where))  # once per core file, not once per recipe
+
+
+@functools.lru_cache(maxsize=512)
+def _imports_core(data: bytes) -> bool:
+    return bool(core_imports(_parse(data)))
+
+
 def core_closure(recipe_tree: ast.AST, where: str = "the recipe") -> dict[tuple[str, ...], Path]:
     """The core modules a recipe needs: those it imports, what they import (relative imports, imports inside
     functions), their packages' __init__.py, and the core's own __init__.py (importing any module runs it)."""
@@ -245,7 +268,7 @@ def core_closure(recipe_tree: ast.AST, where: str = "the recipe") -> dict[tuple[
         found[parts] = path
         package = parts if path.name == "__init__.py" else parts[:-1]
         todo |= {parts[:i] for i in range(len(parts))}  # parent packages
-        todo |= _imported_modules(ast.parse(path.read_bytes()), package, str(path.relative_to(ROOT)))
+        todo |= _core_modules_of(path.read_bytes(), package, str(path.relative_to(ROOT)))
     return found
 
 
@@ -294,6 +317,156 @@ def launch_configs(docstring: str, root: Path = ROOT) -> tuple[list[Path], list[
     return found, missing
 
 
+def _config(path: Path) -> dict:
+    return _yaml(path.read_text())
+
+
+@functools.lru_cache(maxsize=128)
+def _yaml(text: str) -> dict:
+    import yaml  # PyYAML: an Accelerate dependency
+
+    try:
+        data = yaml.safe_load(text)
+    except Exception:  # a config that does not parse: nothing known about it
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _processes(path: Path) -> int:
+    cfg = _config(path)
+    return 1 if str(cfg.get("distributed_type", "NO")) == "NO" else int(cfg.get("num_processes", 1) or 1)
+
+
+def extra_configs(recipe: str, named: list[Path], root: Path = ROOT) -> list[Path]:
+    """Launch configs a copy gets beyond those its docstring names: every recipe that trains in several processes
+    gets multi_cpu.yaml (2 processes over gloo, the form for a CPU-only machine), and one that names no multi-GPU
+    launch gets multi_gpu.yaml. Which recipes run multi-process, and with how many, is the rule table's word."""
+    from ..core.rules import RECIPES
+
+    support = RECIPES.get(recipe)
+    if support is None or support.max_processes == 1 or support.shardings == ("none",):
+        return []  # one process only (or a recipe file of the user's, which the table does not know)
+    names = {p.name for p in named}
+    extra = []
+    if support.min_processes <= 2 and "multi_cpu.yaml" not in names:
+        extra.append(root / "accelerate_configs" / "multi_cpu.yaml")
+    gpu = [p for p in named if p.suffix in (".yaml", ".yml") and _processes(p) > 1 and not _config(p).get("use_cpu")]
+    if support.min_processes == 1 and not gpu:
+        extra.append(root / "accelerate_configs" / "multi_gpu.yaml")
+    return [p for p in extra if p.is_file()]
+
+
+def launch_note(path: Path) -> str:
+    """What `accelerate launch --config_file <path>` starts, for the README's comment on its line."""
+    cfg, n = _config(path), _processes(path)
+    if n == 1:
+        return "1 process"
+    kind = {"FSDP": ", FSDP2", "DEEPSPEED": ", DeepSpeed"}.get(str(cfg.get("distributed_type")), "")
+    if cfg.get("use_cpu"):
+        return f"{n} processes on the CPU over gloo{kind}: the line for a CPU-only machine"
+    if "your GPU count" in path.read_text():
+        return f"{n} processes (num_processes in the file): set it to your GPU count"
+    return f"{n} processes{kind}, one per GPU (without GPUs, {n} on the CPU over gloo)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the copy needs from pip: the packages its files import, pinned as the repository's requirements.txt pins them
+
+# Import name -> the pip package of the repository's requirements.txt that brings it (where the names differ).
+PIP_OF_IMPORT = {"PIL": "pillow", "yaml": "accelerate", "numpy": "accelerate", "huggingface_hub": "transformers",
+                 "packaging": "accelerate", "safetensors": "safetensors", "tokenizers": "tokenizers"}
+NEVER_REQUIRED = ("pytest", "pytest-xdist", "ruff")  # the repository's own test and lint tools
+TRACKER_PACKAGES = {"comet_ml": "comet-ml"}  # --report_to tracker -> pip name, where they differ (core/launch.py)
+
+
+def _pip_name(line: str) -> str:
+    return re.split(r"[\s<>=!~;\[#]", line.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _pinned() -> dict[str, str]:
+    """pip name -> its line in the repository's requirements.txt."""
+    lines = (ROOT / "requirements.txt").read_text().splitlines()
+    return {_pip_name(line): line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")}
+
+
+def _optional(tree: ast.AST) -> set[int]:
+    """ids of imports inside `try:` blocks that catch ImportError: the code runs without them (and says what to
+    install when a run needs them, e.g. core/launch.py's DeepSpeed check)."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(
+                h.type is None or any(isinstance(n, ast.Name) and n.id in ("ImportError", "ModuleNotFoundError")
+                                      for n in ast.walk(h.type)) for h in node.handlers):
+            found |= {id(n) for stmt in node.body for n in ast.walk(stmt)
+                      if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return found
+
+
+def _report_to_default(tree: ast.AST) -> str | None:
+    """The default of an `add_argument("--report_to", default=...)` call (core/args.py: tensorboard)."""
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                and node.args[0].value == "--report_to"):
+            for kw in node.keywords:
+                if kw.arg == "default" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str):
+                    return kw.value.value
+    return None
+
+
+@functools.lru_cache(maxsize=512)
+def _file_needs(data: bytes) -> frozenset[str]:
+    """The top-level names one file imports (not the optional ones), and the tracker its --report_to defaults to."""
+    tree = _parse(data)
+    optional = _optional(tree)
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in optional:
+            continue
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    tracker = _report_to_default(tree)
+    if tracker and tracker not in ("none", "all"):
+        names |= {TRACKER_PACKAGES.get(t.strip(), t.strip()) for t in tracker.split(",") if t.strip()}
+    return frozenset(names)
+
+
+def needed_packages(sources: list[bytes], configs: list[Path] = ()) -> list[str]:
+    """The pip names the copied files need: their imports at any depth (the core imports some libraries inside
+    functions), the tracker --report_to defaults to, and DeepSpeed for a DeepSpeed launch config; not imports that
+    the code guards with `except ImportError`, nor the standard library or the vendored core."""
+    names: set[str] = set().union(*(_file_needs(data) for data in sources))
+    for path in configs:  # accelerate imports deepspeed for a DEEPSPEED launch
+        if path.suffix in (".yaml", ".yml") and str(_config(path).get("distributed_type")) == "DEEPSPEED":
+            names.add("deepspeed")
+    names -= set(sys.stdlib_module_names) | {CORE, VENDORED, "__future__"}
+    pips = {PIP_OF_IMPORT.get(n, n).lower().replace("_", "-") for n in names} - set(NEVER_REQUIRED)
+    return _in_order(pips)
+
+
+def _in_order(pips: set[str]) -> list[str]:
+    order = list(_pinned())  # the repository file's order; anything it does not pin goes last
+    return sorted(pips, key=lambda p: (order.index(p) if p in order else len(order), p))
+
+
+def requirements_text(packages: list[str], recipes: list[str]) -> bytes:
+    pinned = _pinned()
+    head = (ROOT / "requirements.txt").read_text().splitlines()
+    comment = [line for line in head[:1] if line.startswith("#")]
+    lines = [*comment, f"# What {', '.join(recipes)} and {VENDORED}/ import (written by {COMMAND})."]
+    lines += [pinned.get(p, f"{p}  # not pinned in the recipes' requirements.txt") for p in packages]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _requirements_of(data: bytes) -> tuple[list[str], list[str]]:
+    """(packages, recipes) of a requirements file this command wrote."""
+    text = data.decode(errors="replace")
+    m = re.search(r"^# What (.+) and " + re.escape(VENDORED), text, re.M)
+    recipes = [r.strip() for r in m.group(1).split(",")] if m else []
+    return [_pip_name(line) for line in text.splitlines() if line.strip() and not line.startswith("#")], recipes
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Writing DEST
 
@@ -310,6 +483,8 @@ class Copy:
     rewritten_core: list[str] = field(default_factory=list)  # core modules whose absolute self-imports were renamed
     written: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)  # edited file left as it is -> where the fresh copy went
+    backups: dict[str, str] = field(default_factory=dict)  # edited file replaced (--force) -> where the edit is kept
 
     @property
     def readme(self) -> str:
@@ -341,14 +516,35 @@ def _ours(dest: Path, rel: str, manifest: dict[str, dict], recipe: str | None = 
 def _readme(c: Copy, doc: str, core_files: list[str]) -> bytes:
     # What the recipe is: the docstring's first paragraph (its first line can stop mid-sentence).
     first = " ".join(doc.strip().split("\n\n")[0].split()) if doc.strip() else c.recipe
-    run = [f"python {c.recipe}.py                     # 1 process (a recipe that needs more says so and stops)"]
-    run += [f"accelerate launch --config_file {cfg} {c.recipe}.py" for cfg in c.configs]
-    run += [f"python {c.recipe}.py --help              # every flag"]
+    from ..core.rules import RECIPES
+
+    least = RECIPES[c.recipe].min_processes if c.recipe in RECIPES else 1
+    alone = (f"refused: it needs {least} or more processes (a line below)" if least > 1 else
+             "1 process (a GPU if there is one, else the CPU)")
+    lines = [(f"python {c.recipe}.py", alone)]
+    lines += [(f"accelerate launch --config_file {cfg} {c.recipe}.py", launch_note(ROOT / c.files[cfg][1]))
+              for cfg in c.configs]
+    lines += [(f"python {c.recipe}.py --help", "every flag")]
+    width = max(len(cmd) for cmd, _ in lines)
+    run = [f"{cmd:<{width}}  # {note}" for cmd, note in lines]
+    notes = ["Each `accelerate launch` line starts the `num_processes` processes its config names, on this machine "
+             "(the comment on the line gives the number)."]
+    big = [cfg for cfg in c.configs if "your GPU count" in c.files[cfg][0].decode(errors="replace")]
+    for cfg in big:
+        n = _processes(ROOT / c.files[cfg][1])
+        notes.append(f"`{cfg}` starts {n}: set `num_processes` in it to your GPU count (or add `--num_processes N` "
+                     f"after `launch`); on a machine without GPUs all {n} would train on the CPU, slowly and with "
+                     f"{n} copies of the model in memory.")
+    cpu = [cfg for cfg in c.configs if _config(ROOT / c.files[cfg][1]).get("use_cpu")]
+    if cpu:
+        notes.append(f"On a CPU-only machine, use `{cpu[0]}` ({_processes(ROOT / c.files[cpu[0]][1])} processes "
+                     "over gloo).")
     rows = [f"| `{c.recipe}.py` | `{c.files[c.recipe + '.py'][1]}`, its imports of `{CORE}` renamed `{VENDORED}` |",
             f"| `{VENDORED}/` | `{CORE}/`, {'unchanged' if not c.rewritten_core else 'imports renamed'}: "
             f"{', '.join(f'`{f}`' for f in core_files)} (the modules this recipe imports, and theirs) |"]
-    rows += [f"| `{rel}` | `{src}` |" for rel, (_, src) in c.files.items()
-             if rel.startswith("accelerate_configs/") or rel == c.requirements]
+    rows += [f"| `{rel}` | `{src}` |" for rel, (_, src) in c.files.items() if rel.startswith("accelerate_configs/")]
+    rows += [f"| `{c.requirements}` | the pinned lines of the recipes' `requirements.txt` for what the files above "
+             "import |"]
     text = f"""# {c.recipe}
 
 {first}
@@ -361,6 +557,8 @@ pip install -r {c.requirements}
 {chr(10).join(run)}
 ```
 
+{chr(10).join("- " + n for n in notes)}
+
 Run `accelerate launch` from this folder (the config paths are relative to it); `python {c.recipe}.py` also runs
 from any other directory.
 
@@ -369,6 +567,10 @@ from any other directory.
 {chr(10).join(rows)}
 """
     return text.encode()
+
+
+def _lines(data: bytes) -> int:
+    return len(data.decode(errors="replace").splitlines())
 
 
 def plan_copy(recipe_path: Path, dest: Path) -> Copy:
@@ -384,7 +586,7 @@ def plan_copy(recipe_path: Path, dest: Path) -> Copy:
     for _, path in sorted(core_closure(tree, origin).items()):
         rel = path.relative_to(CORE_DIR).as_posix()
         data = path.read_bytes()
-        if core_imports(ast.parse(data)):  # an absolute `shared.` import inside the core would leave DEST
+        if _imports_core(data):  # an absolute `shared.` import inside the core would leave DEST
             data = rewrite_imports(data.decode()).encode()
             c.rewritten_core.append(rel)
         c.files[f"{VENDORED}/{rel}"] = (data, f"{CORE}/{rel}")
@@ -392,18 +594,26 @@ def plan_copy(recipe_path: Path, dest: Path) -> Copy:
 
     doc = ast.get_docstring(tree, clean=False) or ""
     configs, c.missing_configs = launch_configs(doc)
-    for path in configs:
+    extra = extra_configs(recipe, configs)
+    for path in configs + extra:
         rel = path.relative_to(ROOT).as_posix()  # the same place under DEST: the paths stay valid
         c.files[rel] = (path.read_bytes(), rel)
-        if path.suffix in (".yaml", ".yml") and rel in CONFIG_RE.findall(doc):
+        if path.suffix in (".yaml", ".yml") and (rel in CONFIG_RE.findall(doc) or path in extra):
             c.configs.append(rel)
 
     manifest = _manifest(dest)
-    requirements = (ROOT / "requirements.txt").read_bytes()
-    req = "requirements.txt"
-    if (dest / req).exists() and (dest / req).read_bytes() != requirements and not _ours(dest, req, manifest):
-        req = "requirements-recipes.txt"  # the user's own requirements.txt stays theirs
-    c.files[req] = (requirements, "requirements.txt")
+    packages = needed_packages([data for rel, (data, _) in c.files.items() if rel.endswith(".py")], configs + extra)
+    recipes = [recipe]
+    # A requirements file of the user's stays theirs; one this command wrote (unedited) gets what this recipe adds.
+    for req in ("requirements.txt", "requirements-recipes.txt", f"requirements-{recipe}.txt"):
+        if not (dest / req).exists():
+            break
+        if _ours(dest, req, manifest):
+            had, recipes = _requirements_of((dest / req).read_bytes())
+            recipes = [*dict.fromkeys([*recipes, recipe])]
+            packages = _in_order(set(had) | set(packages))
+            break
+    c.files[req] = (requirements_text(packages, recipes), "requirements.txt")
     readme = "README.md"
     if (dest / readme).exists() and not _ours(dest, readme, manifest, recipe):
         readme = f"README_{recipe}.md"
@@ -411,39 +621,68 @@ def plan_copy(recipe_path: Path, dest: Path) -> Copy:
     return c
 
 
+def _free(dest: Path, rel: str, suffix: str) -> str:
+    """`rel` + suffix, or + suffix + N: a name where nothing is yet (a backup never replaces an older one)."""
+    name, n = rel + suffix, 1
+    while (dest / name).exists() or (dest / name).is_symlink():
+        name, n = f"{rel}{suffix}{n}", n + 1
+    return name
+
+
 def write_copy(c: Copy, force: bool = False) -> Copy:
-    """Write the plan; refuse, before writing anything, to overwrite a file that is not this command's own."""
+    """Write the plan, and never lose a file of the user's: a file this command did not write stops it before
+    anything is written (--force or not); one it wrote that the user edited since (or DEST/<recipe>.py) stays as it
+    is, the fresh copy written beside it as <file>.new; with --force the fresh copy replaces it and the user's
+    version is kept as <file>.orig."""
     dest, manifest = c.dest, _manifest(c.dest)
     if dest.exists() and not dest.is_dir():
         raise SystemExit(f"{dest} exists and is not a folder.")
-    theirs, recipe_file = [], f"{c.recipe}.py"
+    theirs, edited = [], []
     for rel, (data, _) in c.files.items():
         path = dest / rel
         if not path.exists() and not path.is_symlink():
             continue
         if not path.is_file() or path.is_symlink():
             theirs.append(rel)
-        elif path.read_bytes() == data:
+        elif path.read_bytes() == data or _ours(dest, rel, manifest):
             continue
-        elif rel == recipe_file:
-            if not force:
-                raise SystemExit(f"{path} exists and differs from the copy of {c.files[rel][1]} (your edits?). "
-                                 "Pass --force to overwrite it, or choose another DEST.")
-        elif not (_ours(dest, rel, manifest) or (force and rel in manifest)):
+        elif rel in manifest or rel == f"{c.recipe}.py":
+            edited.append(rel)
+        else:
             theirs.append(rel)
+    beside = {}
+    if not force:
+        for rel in edited:
+            new = rel + ".new"
+            if (dest / new).exists() and not (_ours(dest, new, manifest) or (dest / new).read_bytes() ==
+                                                c.files[rel][0]):
+                theirs.append(new)
+            beside[rel] = new
     if theirs:
-        raise SystemExit(f"Nothing written: these files in {dest} are not ones this command wrote (or were edited "
-                         f"since), and would be overwritten: {', '.join(theirs)}. Move them, or choose another DEST.")
+        raise SystemExit(f"Nothing written: these files in {dest} were not written by this command (or were edited "
+                         f"since), and the copy of {c.recipe} would overwrite them: {', '.join(theirs)}. Move or "
+                         "rename them, or choose another DEST (--force never overwrites a file this command did not "
+                         "write).")
 
     for rel, (data, origin) in c.files.items():
         path = dest / rel
+        entry = {"from": origin, "sha256": _sha(data), "recipe": c.recipe}
+        if rel in beside:  # the user's version stays in place, and in effect; the manifest still says it is edited
+            c.kept[rel] = beside[rel]
+            rel, path = beside[rel], dest / beside[rel]
         if path.is_file() and path.read_bytes() == data:
             c.unchanged.append(rel)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
+            if rel in edited:  # --force: the user's version moves aside, never lost
+                c.backups[rel] = _free(dest, rel, ".orig")
+                path.rename(dest / c.backups[rel])
+                if _ours(dest, rel + ".new", manifest):  # an earlier run's fresh copy beside it: now in place
+                    (dest / (rel + ".new")).unlink()
+                    del manifest[rel + ".new"]
             path.write_bytes(data)
             c.written.append(rel)
-        manifest[rel] = {"from": origin, "sha256": _sha(data), "recipe": c.recipe}
+        manifest[rel] = entry
     (dest / MANIFEST).write_text(json.dumps({"files": manifest}, indent=2) + "\n")
     return c
 
@@ -468,8 +707,31 @@ def summary(c: Copy) -> str:
     if c.missing_configs:
         lines.append(f"  (named in the docstring, not in this checkout: {', '.join(c.missing_configs)})")
     lines += ["Run it:", f"  cd {c.dest} && pip install -r {c.requirements}", f"  python {c.recipe}.py"]
-    lines += [f"  accelerate launch --config_file {cfg} {c.recipe}.py" for cfg in c.configs]
+    lines += [f"  accelerate launch --config_file {cfg} {c.recipe}.py  # {launch_note(ROOT / c.files[cfg][1])}"
+              for cfg in c.configs]
+    if c.kept:
+        lines.append("Your edits are kept: these files stay as you left them (and are what the copy runs), the fresh "
+                     "copy of each is beside it; compare them (`diff FILE FILE.new`) if the new recipe needs what "
+                     "differs, or rerun with --force to take the fresh copies (your versions kept as FILE.orig):")
+        lines += [f"  {rel}  (fresh copy: {new})" for rel, new in c.kept.items()]
+    if c.backups:
+        lines.append("--force replaced files you had edited; your versions are kept beside them:")
+        lines += [f"  {rel}  (yours: {orig})" for rel, orig in c.backups.items()]
     return "\n".join(lines)
+
+
+def copied_lines() -> dict[str, tuple[int, int]]:
+    """recipe -> (lines of its copied recipe file, lines of its copied recipe_core/), as the copy command writes them
+    (for the README's table of what a copy weighs)."""
+    import tempfile
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:  # an empty DEST: nothing of a user's changes the plan
+        for recipe in recipe_names():
+            c = plan_copy(resolve_recipe(recipe), Path(tmp) / recipe)
+            core = sum(_lines(data) for rel, (data, _) in c.files.items() if rel.startswith(f"{VENDORED}/"))
+            out[recipe] = (_lines(c.files[f"{recipe}.py"][0]), core)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -478,7 +740,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("recipe", help=f"A recipe name ({', '.join(recipe_names()[:3])}, ...) or a recipe file.")
     p.add_argument("dest", help="The folder to write (created if missing).")
     p.add_argument("--force", action="store_true",
-                   help="Overwrite DEST/<recipe>.py, and files this command wrote before even if edited since.")
+                   help="Replace DEST/<recipe>.py and the files this command wrote before even if edited since; "
+                        "each edited file is kept beside as FILE.orig. Without it an edited file stays as it is and "
+                        "the fresh copy goes beside it as FILE.new.")
     args = p.parse_args(argv)
     print(summary(copy_recipe(args.recipe, args.dest, args.force)))
     return 0
