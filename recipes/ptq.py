@@ -35,11 +35,8 @@ def add_args(p):
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
-    if not args.model_name_or_path:
-        raise SystemExit("PTQ quantizes a trained model: pass --model_name_or_path (e.g. the output_dir of "
-                         "recipes/baseline.py).")
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE)
+    launch = resolve_launch(args, RECIPE, model_given=bool(args.model_name_or_path))
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=args.mixed_precision,
