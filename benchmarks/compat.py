@@ -29,12 +29,13 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from shared.core import rules  # noqa: E402
 from shared.core.launch import free_port  # noqa: E402
 
 # sharding -> (accelerate config, launch flags per offload); offloads not listed do not exist for that sharding.
@@ -73,6 +74,14 @@ QUICK = [  # cells of the default sweep: a combination that works, and two that 
 ]
 
 
+def bf16_storage_lifts_a_rule(sharding: str, weights: str) -> bool:
+    """Whether the rule table (shared/core/rules.py) refuses this 4-bit cell's uint8 packing and not a bfloat16 one:
+    the sweep follows the table's fix rather than restating the rule."""
+    run = rules.Run(recipe="combined", sharding=sharding, launched=sharding, num_processes=2, base_weights="nf4",
+                    lora=True, dora=weights == "nf4+dora")
+    return len(rules.refusals(replace(run, quant_storage="bfloat16"))) < len(rules.refusals(run))
+
+
 @dataclass(frozen=True)
 class Cell:
     sharding: str
@@ -91,7 +100,7 @@ class Cell:
         recipe_args = [*WEIGHTS[self.weights], "--mixed_precision", {"fp32": "no"}.get(self.precision, self.precision)]
         if self.checkpointing:
             recipe_args.append("--gradient_checkpointing")
-        if self.weights in ("nf4+lora", "nf4+dora") and self.sharding in ("zero3", "fsdp"):
+        if self.weights in ("nf4+lora", "nf4+dora") and bf16_storage_lifts_a_rule(self.sharding, self.weights):
             recipe_args += ["--bnb_4bit_quant_storage", "bfloat16"]
         if self.offload == "nvme" and self.weights not in RECIPE_OF:  # recipes that set up DeepSpeed take a path
             recipe_args += ["--nvme_path", str((out or Path("/tmp/nvme")) / "nvme")]

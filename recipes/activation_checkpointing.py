@@ -25,6 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
+from shared.core import rules
 from shared.core.args import COUNT, parse_args
 from shared.core.checkpoint import maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
@@ -87,9 +88,7 @@ def enable_checkpointing(model: nn.Module, impl: str, every: int = 1, policy: st
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         layers = transformer_layers(model)
-        if every > len(layers):
-            raise SystemExit(f"--checkpoint_every {every} checkpoints no block: the model has {len(layers)}. "
-                             f"Pass --checkpoint_every {len(layers)} or less.")
+        rules.check_built(checkpoint_every=every, layers=len(layers))  # more than the blocks: none checkpointed
         for i, block in enumerate(layers):
             if (i + 1) % every == 0:  # blocks every, 2*every, ...: torchtitan's ac_freq
                 layers[i] = CheckpointedBlock(block, policy)
@@ -109,11 +108,10 @@ def disable_checkpointing(model: nn.Module, impl: str) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     per_op_or_layer = args.checkpoint_every > 1 or args.checkpointing_policy == "selective"
-    if args.checkpointing_impl == "hf" and per_op_or_layer:  # HF's switch checkpoints all blocks, whole
-        raise SystemExit("--checkpointing_impl hf checkpoints every block whole: --checkpoint_every > 1 and "
-                         "--checkpointing_policy selective need --checkpointing_impl torch (or leave it unset).")
+    asked = {"checkpoint_impl": args.checkpointing_impl or "", "checkpoint_every": args.checkpoint_every,
+             "checkpoint_policy": args.checkpointing_policy}  # HF's switch checkpoints all blocks, whole
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE)
+    launch = resolve_launch(args, RECIPE, **asked)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,

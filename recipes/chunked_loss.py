@@ -28,7 +28,7 @@ from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.rules import sharding_of
 from shared.core.tasks import load_task
-from shared.techniques.chunked_loss import ChunkedLoss, check_args
+from shared.techniques.chunked_loss import ChunkedLoss
 from shared.techniques.deepspeed_setup import add_deepspeed_args, launched_deepspeed_config
 
 RECIPE = "chunked_loss"
@@ -45,12 +45,12 @@ def add_args(p):
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__, task="causal-lm")
-    check_args(args)  # only a causal LM has vocabulary logits to chunk: refused before anything loads
     ds_config = launched_deepspeed_config(args)  # the launch config chose DeepSpeed: its stage and offload, checked
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=ds_config["zero_optimization"]["stage"] == 3
                              ) if ds_config else None
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, deepspeed_config=ds_config)
+    launch = resolve_launch(args, RECIPE, deepspeed_config=ds_config, chunked_loss=True, task=args.task,
+                            flags={"chunked_loss": "recipes/chunked_loss.py"})  # a causal LM's vocabulary only
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,

@@ -31,7 +31,7 @@ from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.rules import offload_of, sharding_of
 from shared.core.tasks import load_task
-from shared.techniques.chunked_loss import ChunkedLoss, check_args
+from shared.techniques.chunked_loss import ChunkedLoss
 from shared.techniques.deepspeed_setup import (
     add_deepspeed_args,
     deepspeed_summary,
@@ -67,8 +67,6 @@ def add_args(p):
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
-    if args.chunked_loss:
-        check_args(args)  # only a causal LM has vocabulary logits to chunk
     ds_config = launched_deepspeed_config(args)  # the launch config chose DeepSpeed: its stage and offload, checked
     plugin = None
     if ds_config:
@@ -80,6 +78,7 @@ def main(argv=None) -> dict:
         args, RECIPE, deepspeed_config=ds_config, base_weights={"full": "full", "8bit": "int8", "4bit": "nf4"}[
             args.load_in], quant_storage=args.bnb_4bit_quant_storage, lora=args.lora, dora=args.use_dora,
         optimizer={"adamw_8bit": "bnb_adamw_8bit"}.get(args.optim, args.optim),  # its 8-bit is bitsandbytes'
+        chunked_loss=args.chunked_loss, task=args.task,  # only a causal LM has vocabulary logits to chunk
         flags={"base_weights": f"--load_in {args.load_in}", "quant_storage": "--bnb_4bit_quant_storage",
                "lora": "--lora", "dora": "--use_dora", "optimizer": f"--optim {args.optim}"})
     accelerator = Accelerator(

@@ -63,11 +63,9 @@ def add_args(p):
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
-    if args.per_device_train_batch_size % args.n_microbatches or args.gradient_accumulation_steps != 1:
-        raise SystemExit("--per_device_train_batch_size must be a multiple of --n_microbatches, and "
-                         "--gradient_accumulation_steps 1 (the micro-batches already accumulate).")
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, stages_per_replica=args.pipeline_stages,
+    launch = resolve_launch(args, RECIPE, stages_per_replica=args.pipeline_stages, microbatches=args.n_microbatches,
+                            batch_size=args.per_device_train_batch_size,
                             flags={"stages_per_replica": "--pipeline_stages"})
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy

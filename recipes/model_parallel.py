@@ -20,6 +20,7 @@ from accelerate.utils import send_to_device
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
+from shared.core import rules
 from shared.core.args import COUNT, parse_args
 from shared.core.checkpoint import maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
@@ -48,8 +49,7 @@ def stage_devices(num_stages: int | None) -> list[torch.device]:
     if count >= 2:
         kind = torch.accelerator.current_accelerator().type
         n = num_stages or count
-        if n > count:
-            raise SystemExit(f"--num_stages {n} but only {count} {kind} devices: pass --num_stages {count} or less.")
+        rules.check_built(stages=n, devices=count, device_kind=kind, flags={"stages": "--num_stages"})
         return [torch.device(kind, i) for i in range(n)]
     n = num_stages or 2
     logger.warning("Fewer than 2 GPUs: placing all %d stages on the CPU (the same code; no memory is split).", n)

@@ -18,6 +18,7 @@ from accelerate import Accelerator, DataLoaderConfiguration
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
+from shared.core import rules
 from shared.core.args import number, parse_args
 from shared.core.checkpoint import maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
@@ -59,10 +60,7 @@ def main(argv=None) -> dict:
     # The technique's library, imported once the launch is known to be valid: --help and a refused launch
     # need not wait for its import (seconds).
     import bitsandbytes as bnb
-    if args.paged and accelerator.device.type != "cuda":
-        # bitsandbytes would warn and silently allocate ordinary memory: nothing would be paged.
-        raise SystemExit(f"--paged needs a CUDA device (unified memory); this run is on {accelerator.device.type}. "
-                         "Drop --paged (plain AdamW8bit saves the same state bytes) or run on a CUDA GPU.")
+    rules.check_built(paged=args.paged, device=accelerator.device.type)  # --paged needs CUDA's unified memory
     task = load_task(launch, accelerator)
     max_steps = total_steps(launch, accelerator, task.train_dataloader)
     # The technique: bitsandbytes' 8-bit AdamW, same hyperparameters and parameter groups as torch AdamW.

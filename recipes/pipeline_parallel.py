@@ -61,14 +61,8 @@ def add_args(p):
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
-    if args.per_device_train_batch_size % args.n_microbatches:
-        raise SystemExit(f"--per_device_train_batch_size {args.per_device_train_batch_size} is not divisible by "
-                         f"--n_microbatches {args.n_microbatches}: pick a batch size that is a multiple of it.")
-    if args.gradient_accumulation_steps != 1:
-        raise SystemExit("--gradient_accumulation_steps: the micro-batches already accumulate; raise "
-                         "--n_microbatches and the batch size instead.")
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE)
+    launch = resolve_launch(args, RECIPE, microbatches=args.n_microbatches, batch_size=args.per_device_train_batch_size)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,

@@ -34,11 +34,8 @@ def add_args(p):
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
-    if not args.model_name_or_path:
-        raise SystemExit("PTQ quantizes a trained model: pass --model_name_or_path (e.g. the output_dir of "
-                         "recipes/baseline.py).")
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE)
+    launch = resolve_launch(args, RECIPE, model_given=bool(args.model_name_or_path))
     # No training: one process, which the Accelerator only places on its device and evaluates through (none of the
     # training arguments, precision, sampler, scheduler stepping, would act here).
     accelerator = Accelerator()

@@ -21,6 +21,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
+from shared.core import rules
 from shared.core.args import COUNT, parse_args
 from shared.core.checkpoint import maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
@@ -70,9 +71,8 @@ def main(argv=None) -> dict:
     model = conv1d_to_linear(task.model)  # GPT-2's Conv1D layers become nn.Linear, which torchao quantizes
     blocks = next(name for name, m in model.named_modules() if m is transformer_layers(model))
     in_blocks = lambda m, fqn: isinstance(m, nn.Linear) and fqn.startswith(blocks + ".")  # noqa: E731
-    if any(m.in_features % args.group_size for m in transformer_layers(model).modules() if isinstance(m, nn.Linear)):
-        raise SystemExit(f"--group_size {args.group_size} must divide the in_features of every Linear layer in the "
-                         "transformer blocks. Pass a divisor, e.g. 32.")
+    rules.check_built(group_size=args.group_size, in_features=tuple(
+        m.in_features for m in transformer_layers(model).modules() if isinstance(m, nn.Linear)))
 
     # The technique: int8 dynamic activations and int4/int8 grouped weights, first fake-quantized, then real.
     scheme = Int8DynamicActivationIntxWeightConfig(

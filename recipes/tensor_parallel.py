@@ -38,7 +38,6 @@ from shared.core.results import collect_results, write_results
 from shared.core.tasks import load_task
 from shared.techniques.tensor_parallel import (
     PLANS,
-    check_flags,
     checkpoint_dtensors,
     clip_grad_norm,
     family_of,
@@ -67,9 +66,8 @@ def add_args(p):
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, tensor_parallel_size=args.tp_size or 0,
-                            flags={"tensor_parallel_size": "--tp_size"})
-    check_flags(args)  # what this version does not do yet (fp16), with the way round it
+    launch = resolve_launch(args, RECIPE, tensor_parallel_size=args.tp_size or 0, shard_vocab=args.shard_vocab,
+                            task=args.task, flags={"tensor_parallel_size": "--tp_size"})
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,

@@ -191,7 +191,7 @@ CASES = [
          ["recipes/fsdp.py needs at least 2 processes", "accelerate_configs/fsdp.yaml"], recipe="fsdp"),
     Case("microbatches-not-dividing", "a pipeline batch that micro-batches do not divide",
          ["--per_device_train_batch_size", "6", "--n_microbatches", "4"],
-         ["not divisible by --n_microbatches", "pick a batch size that is a multiple of it"],
+         ["not divisible by --n_microbatches", "Pick a batch size that is a multiple of it"],
          recipe="pipeline_parallel"),
     Case("quantized-without-lora", "quantized (frozen) base weights and nothing to train", ["--load_in", "4bit"],
          ["quantized base weights are frozen", "Add --lora"], recipe="combined"),

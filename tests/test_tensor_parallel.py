@@ -92,21 +92,18 @@ def test_refuses_one_process(tmp_path):
         run_recipe("tensor_parallel", tmp_path, "--max_train_steps", "1")
 
 
-@pytest.mark.parametrize("flags, match", [
-    (("--mixed_precision", "fp16"), "fp16 with recipes/tensor_parallel.py.*bf16 or no"),
-    (("--shard_vocab", True, "--task", "image-classification"), "--shard_vocab with --task image-classification.*"
-                                                                 "--task causal-lm"),
+@pytest.mark.parametrize("asks, match", [
+    ({"precision": "fp16"}, "fp16 with recipes/tensor_parallel.py.*bf16 or no"),
+    ({"shard_vocab": True, "task": "image-classification"}, "--shard_vocab with --task image-classification.*"
+                                                             "--task causal-lm"),
 ])
-def test_refuses_what_it_does_not_do_yet(tmp_path, flags, match):
-    from argparse import Namespace
+def test_refuses_what_it_does_not_do_yet(asks, match):
+    from shared.core.rules import Run, check
 
-    from shared.techniques.tensor_parallel import check_flags
-
-    args = Namespace(mixed_precision="no", shard_vocab=False, task="causal-lm")
-    for flag, value in zip(flags[::2], flags[1::2], strict=True):
-        setattr(args, flag.removeprefix("--"), value)
+    run = Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=2, task="causal-lm")
+    check(run)  # the plain run trains
     with pytest.raises(SystemExit, match=match):
-        check_flags(args)
+        check(Run(**{**run.__dict__, **asks}))
 
 
 def test_refuses_a_model_without_a_plan_or_heads_that_do_not_split():

@@ -21,8 +21,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import quiet, rules
 from .args import FROM_SCRATCH_LR, PRETRAINED_LR
-from .checkpoint import Preemption
 from .fsdp_cpu import force_fsdp_on_cpu
+from .preemption import Preemption
 
 logger = logging.getLogger("recipes")
 

@@ -76,7 +76,9 @@ def report(accelerator, launch: Launch, task, model, optimizer) -> None:
         "offload": offload_of(accelerator),
         "offload_param": ((ds_config or {}).get("zero_optimization", {}).get("offload_param") or {}).get("device"),
         "flags": {**vars(args), **launch.resolved()},
-        "model_config": accelerator.unwrap_model(model, keep_torch_compile=False).config.to_dict(),
+        # (a pipeline stage has no config of its own: the whole model's)
+        "model_config": getattr(accelerator.unwrap_model(model, keep_torch_compile=False), "config",
+                                task.model.config).to_dict(),
         "available_bytes_per_process": _available_bytes(accelerator),
     }
     if accelerator.is_main_process:

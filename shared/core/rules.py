@@ -37,6 +37,8 @@ class Support:
     compiles: bool = False
     no_compile: str = ""
     splits_sequence: bool = False  # each process holds a chunk of every sequence (sequence parallel)
+    no_fp16: str = ""  # why it refuses fp16 ("": it takes it)
+    needs_trained_model: bool = False  # it starts from a trained model (--model_name_or_path), never a fresh preset
 
 
 _NO = {  # --torch_compile: why these recipes refuse it (the others: not run compiled here yet)
@@ -66,7 +68,8 @@ RECIPES: dict[str, Support] = {
                              "fsdp.yaml or fsdp_offload.yaml (FSDP2)"),
     "pruning": Support(instead="a single process or DDP (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml)"),
     "qat": Support(instead="a single process or DDP (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml)"),
-    "ptq": Support(shardings=("none",), max_processes=1, instead="`python recipes/ptq.py` (one process)"),
+    "ptq": Support(shardings=("none",), max_processes=1, instead="`python recipes/ptq.py` (one process)",
+                   needs_trained_model=True),
     "model_parallel": Support(no_compile=_NO["model_parallel"], shardings=("none",), max_processes=1,
                               instead="recipes/data_model_parallel.py for stages with data-parallel replicas"),
     "pipeline_parallel": Support(shardings=("ddp",), min_processes=2, instead="accelerate_configs/pipeline.yaml",
@@ -76,6 +79,7 @@ RECIPES: dict[str, Support] = {
     # Tensor parallel (recipes/tensor_parallel.py): one TP group of all processes, or --tp_size N groups with FSDP2
     # across them on a (dp, tp) mesh it builds itself; the launch is a plain multi-process one.
     "tensor_parallel": Support(no_compile=_NO["tensor_parallel"], shardings=("ddp",), min_processes=2,
+                               no_fp16="its loss scaler is not wired to the sharded gradients",
                                instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
                                        "the tensor-parallel degree), or tp2_dp2.yaml with --tp_size 2 (TP x FSDP2)"),
     # Ulysses sequence parallel over all processes (recipes/sequence_parallel.py): each holds a chunk of every sequence.
@@ -139,6 +143,41 @@ class Run:
     compile: str = "none"  # torch.compile through Accelerate's TorchDynamoPlugin: none | regional | full
     task: str = ""  # text-classification | causal-lm | image-classification ("": not checked)
     seq_len: int = 0  # --max_seq_length (0: not checked)
+    microbatches: int = 0  # pipeline micro-batches per batch, --n_microbatches (0: not pipelined)
+    batch_size: int = 0  # --per_device_train_batch_size (0: not checked)
+    checkpoint_impl: str = ""  # --checkpointing_impl as asked: hf | torch ("": unset, the recipe picks)
+    checkpoint_every: int = 0  # checkpoint every k-th block (0: not checked)
+    checkpoint_policy: str = ""  # full | selective ("": not checked)
+    shard_vocab: bool = False  # tensor parallel: the embedding and head split over the vocabulary too
+    chunked_loss: bool = False  # the head's matmul and loss a chunk of tokens at a time
+    model_given: bool = True  # --model_name_or_path was passed (False: the recipe's own fresh preset)
+    # Facts known only once the model or the Accelerator is built: check_built(...) weighs them against the same
+    # table (the defaults mean "not known", and no rule reads them then).
+    model_type: str = ""  # config.model_type
+    tp_plans: tuple[str, ...] = ()  # model types shared/techniques/tensor_parallel.py has a plan for
+    stage_families: tuple[str, ...] = ()  # model types shared/techniques/pipeline_stages.py can split into stages
+    heads: int = 0  # attention heads
+    kv_heads: int = 0  # key/value heads
+    mlp_width: int = 0  # the MLP's hidden units
+    tp_degree: int = 0  # processes the blocks split over (tensor parallel)
+    sp_degree: int = 0  # processes each sequence splits over (Ulysses)
+    layers: int = 0  # transformer blocks
+    stages: int = 0  # pipeline stages
+    devices: int = 0  # accelerator devices visible to the one process that drives them all
+    device_kind: str = ""  # their type (cuda, xpu, ...)
+    device: str = ""  # the Accelerator's device type
+    paged: bool = False  # bitsandbytes' paged optimizer (CUDA unified memory)
+    group_size: int = 0  # quantization group size
+    in_features: tuple[int, ...] = ()  # in_features of the Linear layers in the blocks
+    head_kind: str = ""  # class of the model's output head ("None": get_output_embeddings() gave none)
+    logit_transform: str = ""  # a config entry that changes the logits after the head ("final_logit_softcapping=30")
+    head_calls: int = 1  # head calls in one forward (the chunked loss hooks the one that makes the logits)
+    head_reshaped: bool = False  # the forward changed the head's output shape
+    linear_head_needed: bool = False  # a whole nn.Linear copy of the head is built (the chunked loss's measure)
+    resolved_precision: str = ""  # Accelerator.mixed_precision
+    fp8_backend: str = ""  # Accelerator.fp8_backend's name
+    fp8_converted: int = -1  # Linears converted to Float8Linear (-1: not known)
+    fp8_kept: str = ""  # the Linears kept in high precision
     flags: Mapping[str, str] = field(default_factory=dict)
 
     def flag(self, name: str) -> str:
@@ -154,6 +193,7 @@ class Rule:
     applies: Callable[[Run], bool]
     reason: Callable[[Run], str]  # the problem, naming the run's own flags
     fix: Callable[[Run], str]
+    built: bool = False  # reads facts known once the model or the Accelerator is built (check_built)
 
 
 def _launch_words(run: Run) -> str:
@@ -215,7 +255,18 @@ RULES: tuple[Rule, ...] = (
                    f"{RECIPES[r.recipe].no_compile or 'it has not been run compiled here'}",
          lambda r: "drop --torch_compile (and set dynamo_backend: NO in the launch config), or use a recipe that "
                    "compiles: " + ", ".join(f"recipes/{n}.py" for n, s in RECIPES.items() if s.compiles)),
-    Rule(lambda r: r.accumulation > 1 and not RECIPES[r.recipe].accumulates and not _in_backward(r),
+    # Pipeline schedules (recipes/pipeline_parallel.py, data_model_parallel.py) split each batch into micro-batches.
+    Rule(lambda r: r.microbatches > 0 and r.batch_size % r.microbatches,
+         lambda r: f"--per_device_train_batch_size {r.batch_size} is not divisible by --n_microbatches "
+                   f"{r.microbatches}: the schedule splits each batch into that many equal micro-batches",
+         lambda r: "pick a batch size that is a multiple of it (e.g. --per_device_train_batch_size "
+                   f"{r.microbatches * max(1, r.batch_size // r.microbatches)}), or fewer --n_microbatches"),
+    Rule(lambda r: r.microbatches > 0 and r.accumulation > 1,
+         lambda r: f"--gradient_accumulation_steps {r.accumulation}: recipes/{r.recipe}.py's micro-batches already "
+                   "accumulate (the schedule sums their gradients before each step)",
+         lambda r: "drop the flag, and raise --n_microbatches and the batch size instead"),
+    Rule(lambda r: r.accumulation > 1 and not RECIPES[r.recipe].accumulates and not _in_backward(r)
+         and not r.microbatches,
          lambda r: f"--gradient_accumulation_steps {r.accumulation}: recipes/{r.recipe}.py does not accumulate "
                    "gradients (Accelerate would still divide every loss by it)",
          lambda r: "use recipes/gradient_accumulation.py or recipes/zero.py, or drop the flag"),
@@ -329,7 +380,99 @@ RULES: tuple[Rule, ...] = (
          lambda r: "fp16 under DeepSpeed needs a GPU: on CPU DeepSpeed refuses it ('Type fp16 is not supported on "
                    "your device')",
          lambda r: "use --mixed_precision bf16 (or no)"),
+    Rule(lambda r: bool(RECIPES[r.recipe].no_fp16) and r.precision == "fp16",
+         lambda r: f"fp16 with recipes/{r.recipe}.py: {RECIPES[r.recipe].no_fp16}",
+         lambda r: "use --mixed_precision bf16 or no"),
+    Rule(lambda r: RECIPES[r.recipe].needs_trained_model and not r.model_given,
+         lambda r: f"recipes/{r.recipe}.py quantizes a trained model, and no --model_name_or_path was passed (a "
+                   "fresh preset has learned nothing to keep)",
+         lambda r: "pass --model_name_or_path (e.g. the output_dir of recipes/baseline.py)"),
+    # Activation checkpointing (recipes/activation_checkpointing.py): HF's switch wraps every block whole.
+    Rule(lambda r: r.checkpoint_impl == "hf" and (r.checkpoint_every > 1 or r.checkpoint_policy == "selective"),
+         lambda r: "--checkpointing_impl hf checkpoints every block whole: --checkpoint_every > 1 and "
+                   "--checkpointing_policy selective need --checkpointing_impl torch",
+         lambda r: "pass --checkpointing_impl torch (or leave it unset)"),
+    Rule(lambda r: r.shard_vocab and r.task not in ("", "causal-lm"),
+         lambda r: f"{r.flag('shard_vocab')} with --task {r.task}: only the causal LM has a vocabulary-sized head; "
+                   "BERT's and ViT's heads are classifiers of num_labels outputs, too small to split",
+         lambda r: f"drop {r.flag('shard_vocab')}, or use --task causal-lm"),
+    Rule(lambda r: r.chunked_loss and r.task not in ("", "causal-lm"),
+         lambda r: f"{r.flag('chunked_loss')} chunks a causal LM's vocabulary logits, and --task {r.task} has no "
+                   "vocabulary head",
+         lambda r: f"pass --task causal-lm, or use recipes/baseline.py for {r.task}"),
+    # ---- Rules on what only shows once the model or the Accelerator is built: check_built(fact=...).
+    Rule(lambda r: bool(r.model_type and r.tp_plans) and r.model_type not in r.tp_plans,
+         lambda r: f"Tensor parallel plans are written for {sorted(r.tp_plans)} models; this one is {r.model_type!r}",
+         lambda r: "add its block's column/row-wise modules to shared/techniques/tensor_parallel.py PLANS, or use "
+                   "recipes/fsdp.py (it shards any model)", built=True),
+    Rule(lambda r: r.tp_degree > 0 and bool(_unsplit(r, r.tp_degree, heads=r.heads, mlp_width=r.mlp_width)),
+         lambda r: f"The model's {_unsplit(r, r.tp_degree, heads=r.heads, mlp_width=r.mlp_width)} does not split "
+                   f"over {r.tp_degree} processes (each takes an equal share of the heads and of the MLP's units)",
+         lambda r: "launch a divisor of it (--num_processes, or --tp_size), or pick a model whose heads and MLP width "
+                   "it divides", built=True),
+    Rule(lambda r: r.sp_degree > 0 and bool(_unsplit(r, r.sp_degree, heads=r.heads, kv_heads=r.kv_heads)),
+         lambda r: f"The model's {r.heads} attention heads ({r.kv_heads} key/value heads) do not split over "
+                   f"{r.sp_degree} processes: Ulysses gives each process heads/N of them",
+         lambda r: "launch a divisor of the head count (--num_processes), or pick a model whose heads it divides",
+         built=True),
+    Rule(lambda r: bool(r.model_type and r.stage_families) and r.model_type not in r.stage_families,
+         lambda r: f"Pipeline stages are written for {sorted(r.stage_families)} models; this one is "
+                   f"{r.model_type!r}",
+         lambda r: "add its embeddings and head to shared/techniques/pipeline_stages.py FAMILIES and Stage.forward",
+         built=True),
+    Rule(lambda r: r.stages > 0 and 0 < r.layers < r.stages,
+         lambda r: f"The model has {r.layers} blocks, fewer than the {r.stages} stages",
+         lambda r: "use fewer processes/devices or a deeper model (--model_preset base)", built=True),
+    Rule(lambda r: r.devices >= 2 and r.stages > r.devices,
+         lambda r: f"{r.flag('stages')} {r.stages} but only {r.devices} {r.device_kind} devices: each stage needs "
+                   "its own",
+         lambda r: f"pass {r.flag('stages')} {r.devices} or less", built=True),
+    Rule(lambda r: r.layers > 0 and r.checkpoint_every > r.layers,
+         lambda r: f"--checkpoint_every {r.checkpoint_every} checkpoints no block: the model has {r.layers}",
+         lambda r: f"pass --checkpoint_every {r.layers} or less", built=True),
+    Rule(lambda r: r.group_size > 0 and any(f % r.group_size for f in r.in_features),
+         lambda r: f"--group_size {r.group_size} must divide the in_features of every Linear layer in the "
+                   f"transformer blocks ({sorted(set(r.in_features))})",
+         lambda r: "pass a divisor, e.g. 32", built=True),
+    Rule(lambda r: r.paged and r.device not in ("", "cuda"),
+         # bitsandbytes would warn and silently allocate ordinary memory: nothing would be paged.
+         lambda r: f"--paged needs a CUDA device (unified memory); this run is on {r.device}",
+         lambda r: "drop --paged (plain AdamW8bit saves the same state bytes) or run on a CUDA GPU", built=True),
+    Rule(lambda r: r.head_kind == "None",
+         lambda r: f"the {r.model_type} model has no output embeddings (get_output_embeddings() is None): "
+                   "there are no vocabulary logits to chunk",
+         lambda r: "use recipes/baseline.py", built=True),
+    Rule(lambda r: bool(r.logit_transform),
+         lambda r: f"the model transforms its logits after the head (config.{r.logit_transform}), which the chunked "
+                   "loss would skip",
+         lambda r: "use recipes/baseline.py for this model", built=True),
+    Rule(lambda r: r.head_calls != 1 or r.head_reshaped,
+         lambda r: f"the model calls its head {r.head_calls} times in a forward, or reshapes its output: the chunked "
+                   "loss cannot tell which call makes the logits",
+         lambda r: "use recipes/baseline.py", built=True),
+    Rule(lambda r: r.linear_head_needed and r.head_kind != "Linear",
+         lambda r: f"The model's head is a {r.head_kind}, not an nn.Linear",
+         lambda r: "use recipes/baseline.py", built=True),
+    # Accelerate turns fp8 into fp16 on a GPU older than Ada/Hopper with a warning, no error.
+    Rule(lambda r: bool(r.resolved_precision) and RECIPES.get(r.recipe, Support()).precision == "fp8"
+         and (r.resolved_precision != "fp8" or r.fp8_backend != "AO"),
+         lambda r: f"recipes/{r.recipe}.py asked for fp8 with torchao, and Accelerate resolved mixed_precision="
+                   f"{r.resolved_precision!r}, backend {r.fp8_backend}: this device has no FP8 support (a GPU needs "
+                   "compute capability 8.9+: Ada or Hopper)",
+         lambda r: "use recipes/mixed_precision.py --mixed_precision bf16 instead", built=True),
+    Rule(lambda r: r.fp8_converted == 0,
+         lambda r: "no nn.Linear was converted to Float8Linear (the model's Linears kept: "
+                   f"{r.fp8_kept or 'none'}; GPT-2's blocks are Conv1D, not nn.Linear), so this would train in plain "
+                   "bf16",
+         lambda r: "use a model built from nn.Linear (BERT, ViT, Llama), or recipes/mixed_precision.py "
+                   "--mixed_precision bf16", built=True),
 )
+
+
+def _unsplit(r: Run, degree: int, **sizes: int) -> str:
+    """The first of `sizes` that `degree` does not divide, in words ("": all split)."""
+    words = {"heads": "attention heads", "kv_heads": "key/value heads", "mlp_width": "MLP width"}
+    return next((f"{words[k]} ({v})" for k, v in sizes.items() if v and v % degree), "")
 
 
 def refusals(run: Run) -> list[str]:
@@ -343,6 +486,21 @@ def refusals(run: Run) -> list[str]:
 def check(run: Run) -> None:
     """Stop (SystemExit) before anything is loaded when the run breaks a rule."""
     found = refusals(run)
+    if found:
+        raise SystemExit("Refused before training: " + " ".join(found))
+
+
+def built_refusals(run: Run) -> list[str]:
+    """The rules on built facts (Rule.built) that the run breaks, as refusals() words them."""
+    found = [(rule.reason(run), rule.fix(run)) for rule in RULES if rule.built and rule.applies(run)]
+    return [f"{reason}. Fix: {fix[0].upper()}{fix[1:]}." for reason, fix in found]
+
+
+def check_built(recipe: str = "", **facts: object) -> None:
+    """Stop (SystemExit) on what only shows once the model or the Accelerator is built, by the same table: the
+    technique gathers the facts (Run fields: model_type=..., heads=...), the rules decide. The launch itself was
+    checked by check(); only the rules that read built facts are weighed here."""
+    found = built_refusals(Run(recipe=recipe, sharding="none", launched="none", **facts))
     if found:
         raise SystemExit("Refused before training: " + " ".join(found))
 

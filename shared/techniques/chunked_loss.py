@@ -12,7 +12,6 @@ then gather its sharded (or tied) weight exactly as they do for the model's own 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import math
@@ -24,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from ..core import rules
 from ..core.losses import causal_lm_loss, shift_labels, summed_cross_entropy
 from .deepspeed_setup import gathered_parameters
 from .probes import saved_activation_bytes
@@ -31,16 +31,6 @@ from .probes import saved_activation_bytes
 # Configs whose forward changes the logits after the head (Gemma's soft-capping, Cohere's and Granite's scales): a loss
 # computed from the head's own output would silently train another objective.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse, before anything loads, what the chunked loss cannot train."""
-    if args.task != "causal-lm":
-        raise SystemExit(f"recipes/chunked_loss.py chunks a causal LM's vocabulary logits, and --task {args.task} has "
-                         "no vocabulary head. Pass --task causal-lm, or use recipes/baseline.py for "
-                         f"{args.task}.")
-    if args.loss_chunk_size < 1:
-        raise SystemExit(f"--loss_chunk_size must be at least 1, got {args.loss_chunk_size}.")
 
 
 def extract(model: nn.Module) -> nn.Module:
@@ -51,17 +41,14 @@ def extract(model: nn.Module) -> nn.Module:
 
 
 def output_head(model: nn.Module) -> nn.Module:
-    """The model's lm_head module (wrappers removed: DDP, DeepSpeed's engine); refuses heads it cannot chunk."""
+    """The model's lm_head module (wrappers removed: DDP, DeepSpeed's engine); refuses (shared/core/rules.py) heads
+    it cannot chunk."""
     inner = extract(model)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    if head is None:
-        raise SystemExit(f"{type(inner).__name__} has no output embeddings (get_output_embeddings() is None): there "
-                         "are no vocabulary logits to chunk. Use recipes/baseline.py.")
-    for name in _LOGIT_TRANSFORMS:
-        value = getattr(inner.config, name, None)
-        if value not in (None, 1, 1.0):
-            raise SystemExit(f"{type(inner).__name__} transforms its logits after the head (config.{name}={value}), "
-                             "which the chunked loss would skip. Use recipes/baseline.py for this model.")
+    transforms = [f"{name}={getattr(inner.config, name)}" for name in _LOGIT_TRANSFORMS
+                  if getattr(inner.config, name, None) not in (None, 1, 1.0)]
+    rules.check_built(model_type=getattr(inner.config, "model_type", ""), head_kind=type(head).__name__,
+                      logit_transform=", ".join(transforms))
     return head
 
 
@@ -129,18 +116,16 @@ def final_hidden_states(model: nn.Module, head: nn.Module, batch: dict) -> torch
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     with _head_as_identity(head) as seen:
         hidden = model(**inputs, use_cache=False).logits  # no KV cache in training (as Task.loss)
-    if len(seen) != 1 or hidden.shape != seen[0].shape:
-        raise SystemExit(f"{type(extract(model)).__name__} calls its head {len(seen)} times in a forward, or reshapes "
-                         "its output: the chunked loss cannot tell which call makes the logits. Use "
-                         "recipes/baseline.py.")
+    if len(seen) != 1 or hidden.shape != seen[0].shape:  # the facts cost nothing to gather when they are as expected
+        rules.check_built(head_calls=len(seen), head_reshaped=bool(seen) and hidden.shape != seen[0].shape)
     return hidden
 
 
 def _whole_copy(head: nn.Module) -> nn.Linear:
     """A local nn.Linear with the head's whole weight: ZeRO-3 gathers its partitions, FSDP2 its shards (collectives:
     call on every process)."""
-    if not isinstance(head, nn.Linear):
-        raise SystemExit(f"The model's head is a {type(head).__name__}, not an nn.Linear. Use recipes/baseline.py.")
+    kind = "Linear" if isinstance(head, nn.Linear) else type(head).__name__  # subclasses copy as nn.Linear too
+    rules.check_built(linear_head_needed=True, head_kind=kind)
     with gathered_parameters(head), torch.no_grad():
         whole = [t.full_tensor() if isinstance(t, DTensor) else t for t in (head.weight, head.bias) if t is not None]
         # skip_init: a random init would draw from the RNG that the training steps' dropout uses

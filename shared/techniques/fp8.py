@@ -17,6 +17,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils.ao import find_first_last_linear_layers
 
+from ..core import rules
+
 FIRST_LAST = "first or last Linear"
 NOT_16 = "in/out features not multiples of 16"
 
@@ -42,20 +44,14 @@ def check_fp8_resolved(accelerator: Accelerator) -> None:
     torch._scaled_mm runs on the CPU; either way a run that is not fp8 stops here instead of training something else."""
     from accelerate.utils.dataclasses import FP8BackendType
 
-    if accelerator.mixed_precision != "fp8" or accelerator.fp8_backend != FP8BackendType.AO:
-        raise SystemExit(f"recipes/fp8.py asked for fp8 with torchao, and Accelerate resolved mixed_precision="
-                         f"{accelerator.mixed_precision!r}, backend {accelerator.fp8_backend}: this device has no "
-                         "FP8 support (a GPU needs compute capability 8.9+: Ada or Hopper). Use "
-                         "recipes/mixed_precision.py --mixed_precision bf16 instead.")
+    backend = accelerator.fp8_backend
+    rules.check_built("fp8", resolved_precision=accelerator.mixed_precision,
+                      fp8_backend=backend.name if isinstance(backend, FP8BackendType) else str(backend))
 
 
 def fp8_summary(accelerator: Accelerator, model: torch.nn.Module) -> dict:
     """After prepare: the results.json fields. Stops when nothing was converted (e.g. GPT-2, whose blocks are Conv1D,
     not nn.Linear): that run would be plain bf16 under an fp8 label."""
     converted, kept = layer_precisions(accelerator.unwrap_model(model))
-    if not converted:
-        raise SystemExit("recipes/fp8.py: no nn.Linear was converted to Float8Linear (the model's "
-                         f"Linears kept: {kept or 'none'}; GPT-2's blocks are Conv1D, not nn.Linear), so this would "
-                         "train in plain bf16. Use a model built from nn.Linear (BERT, ViT, Llama), or "
-                         "recipes/mixed_precision.py --mixed_precision bf16.")
+    rules.check_built("fp8", fp8_converted=len(converted), fp8_kept=str(kept or ""))
     return {"fp8_linears": len(converted), "fp8_linear_names": converted, "kept_high_precision": kept}

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core import rules
 from ..core.checkpoint import STAGE_FILES
 from ..core.losses import summed_loss as summed_loss  # the last stage's loss_fn: the spine's own
 from ..core.models import transformer_layers
@@ -36,9 +37,7 @@ def split_layers(num_layers: int, num_stages: int, layers_per_stage: str | None 
             raise SystemExit(f"--layers_per_stage {layers_per_stage!r} must give {num_stages} stages of at least one "
                              f"block each, {num_layers} blocks in all (the model has {num_layers}).")
     else:
-        if num_layers < num_stages:
-            raise SystemExit(f"The model has {num_layers} blocks, fewer than the {num_stages} stages: use fewer "
-                             "processes/devices or a deeper model (--model_preset base).")
+        rules.check_built(layers=num_layers, stages=num_stages)  # shared/core/rules.py: at least a block a stage
         base, extra = divmod(num_layers, num_stages)
         counts = [base + (1 if i < extra else 0) for i in range(num_stages)]
     starts = [sum(counts[:i]) for i in range(num_stages)]
@@ -47,10 +46,7 @@ def split_layers(num_layers: int, num_stages: int, layers_per_stage: str | None 
 
 def family_of(model: nn.Module) -> str:
     kind = model.config.model_type
-    if kind not in FAMILIES:
-        raise SystemExit(f"Pipeline stages are written for {sorted(FAMILIES)} models; this one is {kind!r}. "
-                         "Add its embeddings and head to shared/techniques/pipeline_stages.py FAMILIES and "
-                         "Stage.forward.")
+    rules.check_built(model_type=kind, stage_families=tuple(FAMILIES))  # shared/core/rules.py
     return kind
 
 

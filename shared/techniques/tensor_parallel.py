@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..core import rules
 from ..core.checkpoint import STAGE_FILES
 from ..core.models import transformer_layers
 
@@ -28,18 +29,13 @@ PLANS: dict[str, dict[str, str]] = {
 
 
 def family_of(model: nn.Module, world: int) -> str:
-    """The model's PLANS entry; refuses a model without one, or whose heads do not split over `world` processes."""
-    kind = model.config.model_type
-    if kind not in PLANS:
-        raise SystemExit(f"Tensor parallel plans are written for {sorted(PLANS)} models; this one is {kind!r}. "
-                         "Add its block's column/row-wise modules to shared/techniques/tensor_parallel.py PLANS.")
+    """The model's PLANS entry; refuses (shared/core/rules.py) a model without one, or whose heads do not split over
+    `world` processes."""
     cfg = model.config
+    rules.check_built(model_type=cfg.model_type, tp_plans=tuple(PLANS))
     mlp = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size
-    for name, size in (("attention heads", cfg.num_attention_heads), ("MLP width", mlp)):
-        if size % world:
-            raise SystemExit(f"The model's {name} ({size}) does not split over {world} processes: launch a divisor "
-                             "of it (--num_processes), or pick a model whose heads and MLP width it divides.")
-    return kind
+    rules.check_built(heads=cfg.num_attention_heads, mlp_width=mlp, tp_degree=world)
+    return cfg.model_type
 
 
 def _fused_qkv_order(hidden: int, world: int) -> torch.Tensor:
@@ -179,17 +175,6 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
             for g in grads:
                 g.mul_(coef.to(g.dtype))
     return norm
-
-
-def check_flags(args) -> None:
-    """Refuse what this recipe does not implement yet, before anything loads, naming the way round it."""
-    if args.shard_vocab and args.task != "causal-lm":
-        raise SystemExit(f"--shard_vocab with --task {args.task}: only the causal LM has a vocabulary-sized head; "
-                         "BERT's and ViT's heads are classifiers of num_labels outputs, too small to split. Drop the "
-                         "flag, or use --task causal-lm.")
-    if args.mixed_precision == "fp16":
-        raise SystemExit("fp16 with recipes/tensor_parallel.py: its loss scaler is not wired to the sharded "
-                         "gradients. Use --mixed_precision bf16 or no.")
 
 
 def mesh_shape(world: int, tp_size: int | None) -> tuple[int, int]:

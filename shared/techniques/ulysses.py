@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..core import rules
 from ..core.losses import shift_labels, summed_cross_entropy
 
 ATTENTION = "ulysses_sdpa"  # the name this module registers in Transformers' AttentionInterface
@@ -67,11 +68,8 @@ def enable(model: nn.Module, world: int) -> None:
     from transformers import AttentionInterface
 
     cfg = model.config
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    if cfg.num_attention_heads % world or heads % world:
-        raise SystemExit(f"The model's {cfg.num_attention_heads} attention heads ({heads} key/value heads) do not "
-                         f"split over {world} processes: Ulysses gives each process heads/N of them. Launch a divisor "
-                         "of the head count (--num_processes), or pick a model whose heads it divides.")
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    rules.check_built(heads=cfg.num_attention_heads, kv_heads=kv_heads, sp_degree=world)  # shared/core/rules.py
     ds_dist.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
     _DIST_ATTN[:] = [DistributedAttention(_Local(), torch.distributed.group.WORLD, scatter_idx=2, gather_idx=1)]
     AttentionInterface.register(ATTENTION, ulysses_attention)

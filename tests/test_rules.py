@@ -1,0 +1,245 @@
+"""Every refusal of a combination goes through the one rule table (shared/core/rules.py), and every rule names a fix.
+
+A combination refusal (this recipe or technique cannot train with that flag, launch or model) lives in rules.RULES;
+recipes and techniques only gather the facts (resolve_launch's asks, rules.check_built(...)). What may still stop a
+run outside the table is a bad input, listed below with why it is one.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import sys
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from shared.core import rules  # noqa: E402
+from shared.core.rules import RECIPES, RULES, SHARDINGS, Run  # noqa: E402
+
+# (file, function, the message's first words) -> why it is a bad input and not a combination refusal.
+BAD_INPUTS = {
+    ("recipes/data_parallel.py", "main", "--compare_to "): "a --compare_to file that does not exist, or is the "
+                                                           "results.json of a run with another process count",
+    ("recipes/pruning.py", "main", "Need --pruning_start_step"): "a pruning schedule whose steps are "
+                                                                                 "out of order or past the run's end",
+    ("shared/techniques/deepspeed_setup.py", "resolve_deepspeed_config", "Two DeepSpeed JSONs: --deepspeed_config "):
+        "two DeepSpeed JSON files named at once",
+    ("shared/techniques/deepspeed_setup.py", "resolve_deepspeed_config", "DeepSpeed JSON "): "a JSON that does not "
+                                                                                             "exist",
+    ("shared/techniques/deepspeed_setup.py", "resolve_deepspeed_config", "Conflicting settings"):
+        "one setting given two values by the flags, the launch config and the JSON",
+    ("shared/techniques/deepspeed_setup.py", "resolve_deepspeed_config", "train_batch_size "): "a JSON's global batch "
+                                                                                               "that contradicts its "
+                                                                                               "own pieces",
+    ("shared/techniques/deepspeed_setup.py", "resolve_deepspeed_config", "ZeRO stage "): "a ZeRO stage out of range",
+    ("shared/techniques/deepspeed_setup.py", "resolve_deepspeed_config", " to nvme needs a directory"):
+        "an NVMe offload without its path",
+    ("shared/techniques/deepspeed_setup.py", "resolve_deepspeed_config", "offload_param needs ZeRO stage 3"):
+        "a DeepSpeed JSON that contradicts itself (DeepSpeed would refuse it)",
+    ("shared/techniques/deepspeed_setup.py", "resolve_deepspeed_config", "stage3_gather_16bit_weights"):
+        "a JSON setting that would leave the final model unsaved",
+    ("shared/techniques/deepspeed_setup.py", "_check_async_io", "NVMe offload needs DeepSpeed's async_io"):
+        "a library missing from this machine",
+    ("shared/techniques/pipeline_stages.py", "split_layers", "--layers_per_stage "): "a --layers_per_stage that does "
+                                                                                     "not parse or add up",
+    # A checkpoint written by another layout: resuming on another world size is a later issue (resharding).
+    ("shared/techniques/pipeline_stages.py", "load_hook", " holds the state of "): "a checkpoint of another "
+                                                                                  "process count",
+    ("shared/techniques/pipeline_stages.py", "load_hook", " holds another stage than"): "a checkpoint of another cut "
+                                                                                       "of the model",
+    ("shared/techniques/tensor_parallel.py", "load_hook", " has no mesh.json"): "a checkpoint no DTensor run wrote",
+    ("shared/techniques/tensor_parallel.py", "load_hook", " was saved on the mesh "): "a checkpoint of another mesh",
+}
+
+
+def _first_words(message: ast.expr) -> str:
+    """The literal text a SystemExit message starts with (an f-string's first constant part), at most 40 chars."""
+    if isinstance(message, ast.BinOp):  # "..." + ...
+        return _first_words(message.left)
+    if isinstance(message, ast.JoinedStr):
+        message = next((v for v in message.values if isinstance(v, ast.Constant)), ast.Constant(""))
+    return message.value[:40] if isinstance(message, ast.Constant) and isinstance(message.value, str) else ""
+
+
+def _is_exit(node: ast.AST) -> ast.Call | ast.Name | None:
+    """The SystemExit a node raises (`raise SystemExit(...)`, `raise SystemExit`, `sys.exit(...)`), else None."""
+    if isinstance(node, ast.Raise):
+        exc = node.exc
+        if isinstance(exc, ast.Name) and exc.id == "SystemExit":
+            return exc
+        if isinstance(exc, ast.Call) and isinstance(exc.func, ast.Name) and exc.func.id == "SystemExit":
+            return exc
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "exit"
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "sys"):
+        return node
+    return None
+
+
+def system_exits(path: Path, root: Path = ROOT) -> Counter:
+    """(file, innermost function, first words) of each SystemExit raised in a file."""
+    found: Counter = Counter()
+    rel = path.relative_to(root).as_posix()
+
+    def visit(node: ast.AST, where: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            where = node.name
+        exit_ = _is_exit(node)
+        if exit_ is not None:
+            args = exit_.args if isinstance(exit_, ast.Call) else []
+            found[(rel, where, _first_words(args[0]) if args else "")] += 1
+        for child in ast.iter_child_nodes(node):
+            visit(child, where)
+
+    visit(ast.parse(path.read_text()), "<module>")
+    return found
+
+
+def _raisers() -> dict[tuple[str, str, str], int]:
+    found: Counter = Counter()
+    for path in sorted([*(ROOT / "recipes").glob("*.py"), *(ROOT / "shared" / "techniques").glob("*.py")]):
+        found += system_exits(path)
+    return dict(found)
+
+
+def _prefix_of(key: tuple[str, str, str]) -> tuple[str, str, str] | None:
+    return next((k for k in BAD_INPUTS if k[:2] == key[:2] and key[2].startswith(k[2])), None)
+
+
+def test_no_refusal_outside_the_rule_table():
+    unlisted = sorted(k for k in _raisers() if _prefix_of(k) is None)
+    assert not unlisted, ("a refusal outside shared/core/rules.py: make it a Rule (facts via resolve_launch's "
+                          f"asks or rules.check_built), or list it in BAD_INPUTS with its reason: {unlisted}")
+    stale = set(BAD_INPUTS) - {_prefix_of(k) for k in _raisers()}
+    assert not stale, f"BAD_INPUTS entries that no longer exist: {stale}"
+
+
+def test_the_scan_finds_a_refusal(tmp_path):
+    """The scan is not blind: a combination refusal written in a recipe is found (and would fail the test above)."""
+    planted = tmp_path / "baseline.py"
+    planted.write_text((ROOT / "recipes" / "baseline.py").read_text() + '\n\ndef check(args):\n    if args.lora:\n'
+                       '        raise SystemExit(f"--lora {args.lora} with recipes/baseline.py: use qlora.py.")\n')
+    found = system_exits(planted, root=tmp_path)
+    assert found == Counter({("baseline.py", "check", "--lora "): 1})
+    assert _prefix_of(("recipes/baseline.py", "check", "--lora ")) is None  # not a listed bad input: it would fail
+
+
+# One Run per rule's situation: launch-time asks on every recipe, launch and process count, and built facts.
+_ASKS = [
+    {}, {"accumulation": 2}, {"optimizer": "adamw_8bit"}, {"optimizer": "bnb_adamw_8bit"},
+    {"optimizer": "bnb_adamw_8bit", "offload": "cpu"}, {"optimizer": "adamw_in_backward", "accumulation": 2},
+    {"optimizer": "adamw_in_backward", "max_grad_norm": 1.0}, {"optimizer": "adamw_in_backward", "precision": "fp16"},
+    {"precision": "fp16"}, {"precision": "bf16"}, {"precision": "fp16", "on_accelerator": False},
+    {"compile": "regional"}, {"base_weights": "nf4"}, {"base_weights": "int8", "lora": True},
+    {"base_weights": "nf4", "lora": True}, {"base_weights": "nf4", "lora": True, "dora": True}, {"dora": True},
+    {"spread_devices": True}, {"merge_unsaved": True}, {"stages_per_replica": 3}, {"tensor_parallel_size": 3},
+    {"parallelism_config": "tp=2 cp=2", "on_accelerator": False}, {"packing": "per_document"},
+    {"task": "text-classification"}, {"task": "causal-lm", "seq_len": 7}, {"task": "causal-lm", "packing": "none"},
+    {"offload": "nvme"}, {"offload": "cpu"}, {"microbatches": 4, "batch_size": 6},
+    {"microbatches": 2, "batch_size": 4, "accumulation": 2},
+    {"checkpoint_impl": "hf", "checkpoint_every": 2}, {"checkpoint_impl": "hf", "checkpoint_policy": "selective"},
+    {"shard_vocab": True, "task": "image-classification"}, {"chunked_loss": True, "task": "text-classification"},
+    {"model_given": False},
+]
+_FACTS = [
+    {"model_type": "llama", "tp_plans": ("gpt2", "bert")}, {"heads": 4, "mlp_width": 6, "tp_degree": 4},
+    {"heads": 3, "kv_heads": 3, "sp_degree": 2}, {"model_type": "llama", "stage_families": ("gpt2",)},
+    {"layers": 2, "stages": 3}, {"stages": 4, "devices": 2, "device_kind": "cuda"},
+    {"layers": 2, "checkpoint_every": 3}, {"group_size": 48, "in_features": (64, 256)},
+    {"paged": True, "device": "cpu"}, {"head_kind": "None"}, {"logit_transform": "final_logit_softcapping=30.0"},
+    {"head_calls": 2}, {"linear_head_needed": True, "head_kind": "Conv1D"},
+    {"recipe": "fp8", "resolved_precision": "fp16", "fp8_backend": "None"}, {"fp8_converted": 0},
+]
+
+
+def _launch_runs():
+    for recipe, (sharding, launched), n, asks in itertools.product(
+            RECIPES, [(s, s) for s in SHARDINGS] + [("zero2", "fsdp"), ("fsdp", "zero3")], (1, 2, 4), _ASKS):
+        yield Run(recipe=recipe, sharding=sharding, launched=launched, num_processes=n, **asks)
+
+
+def test_every_rule_fires_somewhere_and_names_a_fix():
+    fired: Counter = Counter()
+    runs = [*_launch_runs(), *(Run(**{"recipe": "", "sharding": "none", "launched": "none", **f}) for f in _FACTS)]
+    for run in runs:
+        for i, rule in enumerate(RULES):
+            if (run.recipe or rule.built) and rule.applies(run):
+                fired[i] += 1
+                reason, fix = rule.reason(run), rule.fix(run)
+                assert len(reason.split()) >= 5 and len(fix.split()) >= 2, (reason, fix)
+                assert fix.strip(" .").lower() not in reason.lower()
+    never = [RULES[i].reason.__code__.co_firstlineno for i in range(len(RULES)) if not fired[i]]
+    assert not never, f"rules (at these lines of shared/core/rules.py) that no example run reaches: {never}"
+
+
+def test_built_rules_wait_for_their_facts():
+    """A launch-time check() never reads a built fact: with the facts unknown (their defaults), no built rule fires."""
+    for run in _launch_runs():
+        assert not [r for r in RULES if r.built and r.applies(run)], run
+        assert rules.built_refusals(run) == []
+
+
+def test_check_built_refuses_with_the_reason_and_the_fix():
+    with pytest.raises(SystemExit, match=r"--num_stages 4 but only 2 cuda devices.*Fix: Pass --num_stages 2 or less"):
+        rules.check_built(stages=4, devices=2, device_kind="cuda", flags={"stages": "--num_stages"})
+    rules.check_built(stages=2, devices=2, device_kind="cuda")  # fits: nothing raised
+    rules.check_built(heads=4, mlp_width=16, tp_degree=2)
+    with pytest.raises(SystemExit, match=r"MLP width \(6\) does not split over 4 processes"):
+        rules.check_built(heads=4, mlp_width=6, tp_degree=4)
+
+
+def test_the_sweeps_quant_storage_follows_the_table():
+    """benchmarks/compat.py adds --bnb_4bit_quant_storage bfloat16 exactly where the table refuses uint8 packing."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import compat
+
+    for sharding in compat.SHARDING:
+        run = Run(recipe="combined", sharding=sharding, launched=sharding, num_processes=2, base_weights="nf4",
+                  lora=True)
+        refused = any("packed in uint8" in r for r in rules.refusals(run))
+        assert compat.bf16_storage_lifts_a_rule(sharding, "nf4+lora") == refused == (sharding in ("zero3", "fsdp"))
+        assert not rules.refusals(replace(run, quant_storage="bfloat16"))
+
+
+# Moved rules, end to end: refused by the recipe's main, with the words and the fix, before anything is written.
+E2E = [
+    ("pipeline_parallel", ["--gradient_accumulation_steps", "2"],
+     ["--gradient_accumulation_steps 2: recipes/pipeline_parallel.py's micro-batches already accumulate",
+      "Drop the flag, and raise --n_microbatches"]),
+    ("data_model_parallel", ["--per_device_train_batch_size", "3", "--n_microbatches", "2"],
+     ["--per_device_train_batch_size 3 is not divisible by --n_microbatches 2", "Fix: Pick a batch size"]),
+    ("activation_checkpointing", ["--checkpointing_impl", "hf", "--checkpointing_policy", "selective"],
+     ["--checkpointing_impl hf checkpoints every block whole", "Fix: Pass --checkpointing_impl torch"]),
+    ("tensor_parallel", ["--shard_vocab", "--task", "image-classification"],
+     ["--shard_vocab with --task image-classification", "Fix: Drop --shard_vocab, or use --task causal-lm"]),
+    ("tensor_parallel", ["--mixed_precision", "fp16"],
+     ["fp16 with recipes/tensor_parallel.py: its loss scaler", "Fix: Use --mixed_precision bf16 or no"]),
+    ("chunked_loss", ["--task", "text-classification"],
+     ["recipes/chunked_loss.py chunks a causal LM's vocabulary logits", "Fix: Pass --task causal-lm"]),
+    ("ptq", [], ["recipes/ptq.py quantizes a trained model", "Fix: Pass --model_name_or_path"]),
+    # a built fact: the tiny preset's 2 blocks, read once the model exists
+    ("activation_checkpointing", ["--checkpointing_impl", "torch", "--checkpoint_every", "3", "--no_probe"],
+     ["--checkpoint_every 3 checkpoints no block: the model has 2", "Fix: Pass --checkpoint_every 2 or less"]),
+]
+
+
+@pytest.mark.parametrize("recipe, argv, says", E2E, ids=[f"{r}-{'-'.join(a)[:40]}" for r, a, _ in E2E])
+def test_a_moved_rule_refuses_through_the_recipe(recipe, argv, says, tmp_path, capsys, monkeypatch):
+    from tests.conftest import run_recipe
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        run_recipe(recipe, out, *argv, "--max_train_steps", 2)
+    printed = capsys.readouterr()
+    message = str(exc.value.code)
+    assert message.startswith("Refused before training: ")
+    for fragment in says:
+        assert fragment in message, (fragment, message)
+    assert "train:" not in printed.err + printed.out, "training started before the refusal"
+    assert not (out / "results.json").exists() and not list(out.glob("checkpoints/step_*"))
