@@ -17,7 +17,7 @@ import torch
 
 from .meter import stepping_optimizer
 from .results import end_run
-from .rules import RECIPES, offload_of, sharding_of
+from .rules import RECIPES, offload_of, offload_params_of, sharding_of
 
 REPORT_LINE = "preflight report:"  # the report's last line names its file (shared/tools/preflight.py reads it)
 
@@ -71,7 +71,7 @@ def report(accelerator, args: argparse.Namespace, task, model, optimizer) -> Non
         # What the planner's estimate needs (shared/tools/preflight.py): the run as launched, and this machine.
         "sharding": sharding_of(accelerator),
         "offload": offload_of(accelerator),
-        "offload_param": ((ds_config or {}).get("zero_optimization", {}).get("offload_param") or {}).get("device"),
+        "offload_params": offload_params_of(accelerator),
         "flags": vars(args),
         "model_config": accelerator.unwrap_model(model, keep_torch_compile=False).config.to_dict(),
         "available_bytes_per_process": _available_bytes(accelerator),
