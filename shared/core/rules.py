@@ -13,10 +13,12 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from .args import OPTIMIZERS
+
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 OFFLOADS = ("none", "cpu", "nvme")  # where the offloaded state goes (DeepSpeed's device words)
 LOAD_IN = ("full", "8bit", "4bit")  # base weights: full precision, or quantized by bitsandbytes (--load_in)
-TORCHAO_OPTIMIZERS = ("adamw_torchao_8bit", "adamw_torchao_4bit", "adamw_torchao_fp8")  # --optim names (args.py)
+TORCHAO_OPTIMIZERS = tuple(name for name, library in OPTIMIZERS.items() if library == "torchao")  # --optim
 _CLASSIC = ("none", "ddp")  # one process, or DDP replicas: what a recipe that shows no sharding runs under
 _ZERO = ("zero1", "zero2", "zero3")
 
