@@ -38,7 +38,9 @@ sys.path.insert(0, str(ROOT))
 from shared.core import rules  # noqa: E402
 from shared.core.launch import free_port  # noqa: E402
 
-# sharding -> (accelerate config, launch flags per offload); offloads not listed do not exist for that sharding.
+# sharding -> (accelerate config, launch flags per offload); offloads not listed do not exist for that sharding. The
+# words are shared/core/rules.py's (SHARDINGS, OFFLOADS), as results.json reports them: zero3's offloads move the
+# parameters too, zero1/2's the optimizer state only, FSDP's the parameters (and what lives with them).
 SHARDING = {
     "ddp": ("multi_cpu.yaml", {"none": []}),
     "zero1": ("zero1.yaml", {"none": [], "cpu": ["--offload_optimizer_device", "cpu"],
@@ -53,15 +55,15 @@ SHARDING = {
 # weights -> recipe flags. NF4 under ZeRO-3 / FSDP stores its packed weights in bf16, the documented way to shard it.
 WEIGHTS = {
     "full": [],
-    "8bit-optim": ["--optim", "adamw_8bit"],
+    "8bit-optim": ["--optim", "adamw_bnb_8bit"],
     "lora": ["--lora"],
     "int8+lora": ["--load_in", "8bit", "--lora"],
     "nf4+lora": ["--load_in", "4bit", "--lora"],
     "nf4+dora": ["--load_in", "4bit", "--lora", "--use_dora"],
     "chunked-loss": ["--chunked_loss"],
-    "ao-8bit-optim": ["--optim", "adamw_8bit"],
-    "ao-4bit-optim": ["--optim", "adamw_4bit"],
-    "ao-fp8-optim": ["--optim", "adamw_fp8"],
+    "ao-8bit-optim": ["--optim", "adamw_torchao_8bit"],
+    "ao-4bit-optim": ["--optim", "adamw_torchao_4bit"],
+    "ao-fp8-optim": ["--optim", "adamw_torchao_fp8"],
 }
 # torchao's low-bit AdamWs are shown by their own recipe (it has no --gradient_checkpointing); the rest by combined.py.
 RECIPE_OF = {w: "recipes/optim_low_bit.py" for w in ("ao-8bit-optim", "ao-4bit-optim", "ao-fp8-optim")}
@@ -77,7 +79,7 @@ QUICK = [  # cells of the default sweep: a combination that works, and two that 
 def bf16_storage_lifts_a_rule(sharding: str, weights: str) -> bool:
     """Whether the rule table (shared/core/rules.py) refuses this 4-bit cell's uint8 packing and not a bfloat16 one:
     the sweep follows the table's fix rather than restating the rule."""
-    run = rules.Run(recipe="combined", sharding=sharding, launched=sharding, num_processes=2, base_weights="nf4",
+    run = rules.Run(recipe="combined", sharding=sharding, launched=sharding, num_processes=2, load_in="4bit",
                     lora=True, dora=weights == "nf4+dora")
     return len(rules.refusals(replace(run, quant_storage="bfloat16"))) < len(rules.refusals(run))
 

@@ -54,9 +54,9 @@ def recipe_checks(device_steps: int, tiny: bool) -> list[dict]:
          "expect": {"compute_dtype": "float16", "final_loss_scale": "positive"}},
         {"name": "bnb 8-bit AdamW, paged", "recipe": "optim_8bit", "args": [*common, "--paged"],
          "expect": {"optimizer_class": "PagedAdamW8bit"}, "cuda_only": True},
-        {"name": "bnb 4-bit QLoRA", "recipe": "qlora", "args": [*common, "--bits", "4"],
+        {"name": "bnb 4-bit QLoRA", "recipe": "qlora", "args": [*common, "--load_in", "4bit"],
          "expect": {"quantized_layers": "positive"}},
-        {"name": "bnb 8-bit QLoRA", "recipe": "qlora", "args": [*common, "--bits", "8"],
+        {"name": "bnb 8-bit QLoRA", "recipe": "qlora", "args": [*common, "--load_in", "8bit"],
          "expect": {"quantized_layers": "positive"}},
     ]
     return checks

@@ -4,7 +4,8 @@
     python benchmarks/matrix.py                  # more steps, more recipes and configs
 
 Writes docs/results/matrix.md, matrix.json and matrix.png (or --output_dir). Each run's measured bytes are printed
-beside what the planner (shared/tools/plan.py) predicts for it. Adding a recipe or a config is one line in RUNS.
+beside what the planner (shared/tools/plan.py) predicts for it. Adding a recipe or a config is one line in RUNS:
+a planner row by its name (its recipe, config and flags), or a recipe of shared/core/rules.py's catalogue.
 
 No speed column: each cell is one short run, and a ratio of two such runs swung from 0.07x to 1.20x between tiny
 runs (one timed step). Speed ratios are published only by the benchmarks that time enough steps, as medians of
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,9 +55,11 @@ from transformers import (  # noqa: F401
 
 from shared.core import args as _args  # noqa: F401
 from shared.core import checkpoint, data, launch, meter, models, optim, results, tasks  # noqa: F401
+from shared.core.rules import RECIPES
 from shared.tools.plan import (
     CPU_RUNTIME_BYTES,
     FORKED_RUNTIME_BYTES,
+    TECHNIQUES,
     Technique,
     load_config,
     model_spec,
@@ -68,7 +71,7 @@ from shared.tools.plan import (
 
 @dataclass(frozen=True)
 class Run:
-    recipe: str
+    recipe: str  # a key of shared/core/rules.py's RECIPES
     config: str = "single_process.yaml"  # accelerate_configs/<config>
     args: tuple[str, ...] = ()
     technique: Technique | None = None  # how the planner models it; None: not predicted
@@ -82,52 +85,56 @@ class Run:
         return f"{self.recipe}[{self.config.removesuffix('.yaml')}{' ' + extra if extra else ''}]"
 
 
-T = Technique
+PLANNED = {t.name: t for t in TECHNIQUES}
+
+
+def planned(name: str, config: str | None = None, args: tuple[str, ...] | None = None, model: dict | None = None,
+            **run: object) -> Run:
+    """A row of the planner (shared/tools/plan.py TECHNIQUES), run as its printed command runs it: its recipe,
+    launch config and flags (or `config` / `args` instead), predicted by that row (with `model`'s fields changed)."""
+    tech = replace(PLANNED[name], **(model or {}))
+    return Run(tech.recipe, config or tech.config or "single_process.yaml", tech.args if args is None else args,
+               technique=tech, **run)
+
+
+def unplanned(recipe: str, **run: object) -> Run:
+    """A recipe without planner rows of its own: predicted as the recipe its catalogue entry names in `plans_as`
+    (shared/core/rules.py), or not at all (`not_planned`)."""
+    like = RECIPES[recipe].plans_as
+    tech = next((t for t in TECHNIQUES if t.recipe == like), None) if like else None
+    return Run(recipe, technique=tech, **run)
+
+
 RUNS: list[Run] = [
-    Run("baseline", technique=T("baseline", "baseline", None), quick=True),
-    Run("mixed_precision", args=("--mixed_precision", "bf16"),
-        technique=T("mixed_precision", "mixed_precision", None, precision="bf16"), quick=True),
-    Run("activation_checkpointing", technique=T("ckpt", "activation_checkpointing", None, checkpointing=True),
-        quick=True),
-    Run("mixed_precision", args=("--mixed_precision", "fp16"),
-        technique=T("mixed_precision", "mixed_precision", None, precision="bf16")),
-    Run("gradient_accumulation", args=("--gradient_accumulation_steps", "2"), technique=T("ga", "ga", None)),
-    Run("baseline", config="multi_cpu.yaml", technique=T("ddp", "baseline", None)),
+    planned("baseline", quick=True),
+    planned("mixed_precision", quick=True),
+    planned("activation_checkpointing", quick=True),
+    planned("mixed_precision", args=("--mixed_precision", "fp16")),  # predicted as bf16 (the same 16-bit bytes)
+    unplanned("gradient_accumulation", args=("--gradient_accumulation_steps", "2")),
+    planned("baseline", config="multi_cpu.yaml"),
     # Memory techniques in 2 processes (1 for the quantized ones), tiny preset in --quick.
-    Run("optim_8bit", technique=T("optim_8bit", "optim_8bit", None, optimizer="adamw8bit"), quick=True,
-        presets=("tiny",)),
-    Run("zero", config="zero1.yaml", technique=T("zero1", "zero", "zero1.yaml", strategy="zero1")),
-    Run("zero", config="zero2.yaml", technique=T("zero2", "zero", "zero2.yaml", strategy="zero2"), quick=True,
-        presets=("tiny",)),
-    Run("zero", config="zero3.yaml", technique=T("zero3", "zero", "zero3.yaml", strategy="zero3"), quick=True,
-        presets=("tiny",)),
-    Run("zero3_offload", config="zero2_offload.yaml",
-        technique=T("zero2_offload", "zero3_offload", "zero2_offload.yaml", strategy="zero2", offload="optimizer")),
-    Run("zero3_offload", config="zero3_offload.yaml",
-        technique=T("zero3_offload", "zero3_offload", "zero3_offload.yaml", strategy="zero3", offload="all")),
-    Run("fsdp", config="fsdp.yaml", technique=T("fsdp", "fsdp", "fsdp.yaml", strategy="fsdp"), quick=True,
-        presets=("tiny",)),
-    Run("fsdp", config="fsdp_offload.yaml", technique=T("fsdp_offload", "fsdp", "fsdp_offload.yaml", strategy="fsdp",
-                                                         offload="all")),
-    Run("qlora", args=("--bits", "4"), technique=T("qlora_4bit", "qlora", None, quant="nf4"), presets=("tiny",)),
-    Run("qlora", args=("--bits", "4", "--use_dora"), technique=T("qlora_4bit_dora", "qlora", None, quant="nf4",
-                                                                 dora=True), presets=("tiny",)),
+    planned("optim_8bit", quick=True, presets=("tiny",)),
+    planned("zero1"),
+    planned("zero2", quick=True, presets=("tiny",)),
+    planned("zero3", quick=True, presets=("tiny",)),
+    planned("zero2_offload"),
+    planned("zero3_offload"),
+    planned("fsdp", quick=True, presets=("tiny",)),
+    planned("fsdp_offload"),
+    planned("qlora_4bit", presets=("tiny",)),
+    planned("qlora_4bit_dora", presets=("tiny",)),
     # The memory techniques of issue 13, one process, tiny preset in --quick.
-    Run("chunked_loss", args=("--loss_chunk_size", "16"), technique=T("chunked_loss", "chunked_loss", None,
-                                                                      loss_chunk=16),
-        quick=True, presets=("tiny",), tasks=("causal-lm",)),
-    Run("optim_low_bit", args=("--optim", "adamw_4bit"), technique=T("optim_4bit", "optim_low_bit", None,
-                                                                      optimizer="adamw_4bit"),
-        quick=True, presets=("tiny",)),
-    Run("optimizer_in_backward", technique=T("optimizer_in_backward", "optimizer_in_backward", None,
-                                             optimizer="in_backward"), quick=True, presets=("tiny",)),
-    Run("qlora", args=("--bits", "8"), technique=T("qlora_8bit", "qlora", None, quant="int8"), presets=("tiny",)),
-    Run("qat", presets=("tiny",)),
-    Run("pruning", presets=("tiny",)),
-    Run("combined", config="zero3.yaml", args=("--lora", "--gradient_checkpointing"), presets=("tiny",)),
-    Run("model_parallel", presets=("tiny",)),
-    Run("pipeline_parallel", config="pipeline.yaml", presets=("tiny",)),
-    Run("data_model_parallel", config="data_model_parallel.yaml", presets=("tiny",)),
+    planned("chunked_loss", args=("--loss_chunk_size", "16"), model={"loss_chunk": 16}, quick=True, presets=("tiny",),
+            tasks=("causal-lm",)),
+    planned("optim_4bit", quick=True, presets=("tiny",)),
+    planned("optimizer_in_backward", quick=True, presets=("tiny",)),
+    planned("qlora_8bit", presets=("tiny",)),
+    unplanned("qat", presets=("tiny",)),
+    unplanned("pruning", presets=("tiny",)),
+    unplanned("combined", config="zero3.yaml", args=("--lora", "--gradient_checkpointing"), presets=("tiny",)),
+    unplanned("model_parallel", presets=("tiny",)),
+    unplanned("pipeline_parallel", config="pipeline.yaml", presets=("tiny",)),
+    unplanned("data_model_parallel", config="data_model_parallel.yaml", presets=("tiny",)),
 ]
 
 # --quick leaves out ViT-base in bf16: on an AVX2-only CPU a bf16 matmul is ~6x slower than fp32 (measured), and

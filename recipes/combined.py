@@ -19,7 +19,7 @@ from accelerate.utils import DeepSpeedPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.core.args import COUNT, parse_args
+from shared.core.args import COUNT, one_of, parse_args
 from shared.core.checkpoint import maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
@@ -47,8 +47,8 @@ RECIPE = "combined"
 
 def add_args(p):
     p.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations in backward.")
-    p.add_argument("--optim", default="adamw", choices=("adamw", "adamw_8bit"),
-                   help="adamw_8bit: bitsandbytes' AdamW8bit (moments in 8 bits).")
+    p.add_argument("--optim", default="adamw", **one_of("adamw", "adamw_bnb_8bit"),
+                   help="adamw_bnb_8bit: bitsandbytes' AdamW8bit (moments in 8 bits).")
     p.add_argument("--lora", action="store_true", help="Train LoRA adapters (PEFT) on a frozen base model.")
     p.add_argument("--use_dora", action="store_true", help="With --lora: DoRA adapters (PEFT use_dora).")
     p.add_argument("--lora_r", type=COUNT, default=8)
@@ -75,11 +75,10 @@ def main(argv=None) -> dict:
         plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=stage3 and args.load_in == "full")
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(
-        args, RECIPE, deepspeed_config=ds_config, base_weights={"full": "full", "8bit": "int8", "4bit": "nf4"}[
-            args.load_in], quant_storage=args.bnb_4bit_quant_storage, lora=args.lora, dora=args.use_dora,
-        optimizer={"adamw_8bit": "bnb_adamw_8bit"}.get(args.optim, args.optim),  # its 8-bit is bitsandbytes'
+        args, RECIPE, deepspeed_config=ds_config, load_in=args.load_in, quant_storage=args.bnb_4bit_quant_storage,
+        lora=args.lora, dora=args.use_dora, optimizer=args.optim,
         chunked_loss=args.chunked_loss, task=args.task,  # only a causal LM has vocabulary logits to chunk
-        flags={"base_weights": f"--load_in {args.load_in}", "quant_storage": "--bnb_4bit_quant_storage",
+        flags={"load_in": f"--load_in {args.load_in}", "quant_storage": "--bnb_4bit_quant_storage",
                "lora": "--lora", "dora": "--use_dora", "optimizer": f"--optim {args.optim}"})
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
@@ -131,7 +130,7 @@ def main(argv=None) -> dict:
 
     max_steps = total_steps(launch, accelerator, task.train_dataloader)
     optim_cls = torch.optim.AdamW
-    if args.optim == "adamw_8bit":
+    if args.optim == "adamw_bnb_8bit":
         import bitsandbytes as bnb
 
         optim_cls = bnb.optim.AdamW8bit

@@ -46,7 +46,7 @@ def add_args(p):
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, optimizer="bnb_adamw_8bit", flags={"optimizer": "the 8-bit optimizer"})
+    launch = resolve_launch(args, RECIPE, optimizer="adamw_bnb_8bit", flags={"optimizer": "the 8-bit optimizer"})
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,

@@ -2,15 +2,16 @@
 bitsandbytes), with block-wise scales, for the same update rule. Optimizer state per parameter, counted on the live
 tensors (docs/quantization.md): 8 bytes for fp32 AdamW, about 2 for the 8-bit and FP8 ones, about 1.1 for 4-bit.
 
---optim adamw_4bit | adamw_fp8 | adamw_8bit: torchao.optim.AdamW4bit / AdamWFp8 / AdamW8bit, whose step is compiled
-(the first step compiles it: tens of seconds on a CPU, cached on disk afterwards). bnb_adamw_8bit: bitsandbytes'.
+--optim adamw_torchao_4bit | adamw_torchao_fp8 | adamw_torchao_8bit: torchao.optim.AdamW4bit / AdamWFp8 / AdamW8bit,
+whose step is compiled (the first step compiles it: tens of seconds on a CPU, cached on disk afterwards).
+adamw_bnb_8bit: bitsandbytes' AdamW8bit.
 Small tensors keep 32-bit state: torchao quantizes a tensor only if it has >= 4096 elements and a multiple of its
 block size (128 for 4-bit, 256 for 8-bit and FP8), judged on each process's shard under FSDP2; bitsandbytes from
 4096 elements (min_8bit_size). results.json counts the tensors of each kind.
 One process, DDP or FSDP2 (with or without CPU offload): the launch config decides. ZeRO is refused: the optimizer
 would step DeepSpeed's flat partitions, often silently in 32 bits. Measured: docs/results/compat.md.
-    accelerate launch recipes/optim_low_bit.py --optim adamw_4bit --task causal-lm
-    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/optim_low_bit.py --optim adamw_fp8
+    accelerate launch recipes/optim_low_bit.py --optim adamw_torchao_4bit --task causal-lm
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/optim_low_bit.py --optim adamw_torchao_fp8
 """
 
 import sys
@@ -20,7 +21,7 @@ from accelerate import Accelerator, DataLoaderConfiguration
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.core.args import parse_args
+from shared.core.args import one_of, parse_args
 from shared.core.checkpoint import maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
@@ -34,13 +35,13 @@ from shared.core.tasks import load_task
 from shared.techniques.probes import quantized_state_counts
 
 RECIPE = "optim_low_bit"
-OPTIMIZERS = {"adamw_4bit": "AdamW4bit", "adamw_fp8": "AdamWFp8", "adamw_8bit": "AdamW8bit",  # torchao.optim
-              "bnb_adamw_8bit": "AdamW8bit"}  # bitsandbytes.optim
+OPTIMIZERS = {"adamw_torchao_4bit": "AdamW4bit", "adamw_torchao_fp8": "AdamWFp8",  # torchao.optim
+              "adamw_torchao_8bit": "AdamW8bit", "adamw_bnb_8bit": "AdamW8bit"}  # bitsandbytes.optim
 
 
 def add_args(p):
-    p.add_argument("--optim", default="adamw_4bit", choices=tuple(OPTIMIZERS),
-                   help="adamw_4bit / adamw_fp8 / adamw_8bit: torchao; bnb_adamw_8bit: bitsandbytes.")
+    p.add_argument("--optim", default="adamw_torchao_4bit", **one_of(*OPTIMIZERS),
+                   help="adamw_torchao_4bit / _fp8 / _8bit: torchao; adamw_bnb_8bit: bitsandbytes.")
 
 
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
@@ -60,7 +61,7 @@ def main(argv=None) -> dict:
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     # The technique's library, imported once the launch is known to be valid: --help and a refused launch
     # need not wait for its import (seconds).
-    if args.optim == "bnb_adamw_8bit":
+    if args.optim == "adamw_bnb_8bit":
         import bitsandbytes.optim as library
     else:
         import torchao.optim as library

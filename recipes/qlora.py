@@ -2,9 +2,9 @@
 LoRA adapters (PEFT) train, in the run's precision. Base weights take ~0.26x (4-bit) or ~0.5x (8-bit) their bf16
 bytes, and optimizer state and gradients exist for the adapters only.
 
---bits 4   NF4 with double quantization (the quantization scales are themselves quantized); compute dtype = the
-           run's precision (fp32, or bf16 / fp16 with --mixed_precision).
---bits 8   LLM.int8() weights.
+--load_in 4bit   NF4 with double quantization (the quantization scales are themselves quantized); compute dtype =
+                 the run's precision (fp32, or bf16 / fp16 with --mixed_precision).
+--load_in 8bit   LLM.int8() weights.
 Gradient checkpointing is on by default (non-reentrant), so the frozen blocks keep only their inputs for backward.
 The adapter is saved to <output_dir>/adapter; --merge also writes <output_dir>/merged, a plain full-precision model
 (the adapter folded into the original, unquantized weights).
@@ -47,7 +47,7 @@ RECIPE = "qlora"
 
 
 def add_args(p):
-    p.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    p.add_argument("--load_in", default="4bit", choices=("4bit", "8bit"), help="Base weights, by bitsandbytes.")
     p.add_argument("--bnb_4bit_quant_type", default="nf4", choices=("nf4", "fp4"))
     p.add_argument("--no_double_quant", action="store_true", help="Keep the 4-bit scales in fp32.")
     p.add_argument("--bnb_4bit_quant_storage", default="uint8", choices=("uint8", "bfloat16", "float16", "float32"),
@@ -74,10 +74,10 @@ def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(
-        args, RECIPE, base_weights="int8" if args.bits == 8 else "nf4", lora=True,
+        args, RECIPE, load_in=args.load_in, lora=True,
         quant_storage=args.bnb_4bit_quant_storage, spread_devices=args.device_map == "auto",
         merge_unsaved=args.merge and args.no_save_model,
-        flags={"base_weights": f"--bits {args.bits}", "quant_storage": "--bnb_4bit_quant_storage",
+        flags={"load_in": f"--load_in {args.load_in}", "quant_storage": "--bnb_4bit_quant_storage",
                "spread_devices": "--device_map auto", "merge_unsaved": "--merge"})
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
@@ -111,8 +111,8 @@ def main(argv=None) -> dict:
     # The technique, part 1: load the base quantized by bitsandbytes, frozen, one whole copy per process.
     compute_dtype = COMPUTE_DTYPES[accelerator.mixed_precision]  # the dtype the dequantized matmuls run in
     bnb_config = BitsAndBytesConfig(
-        load_in_4bit=args.bits == 4,
-        load_in_8bit=args.bits == 8,
+        load_in_4bit=args.load_in == "4bit",
+        load_in_8bit=args.load_in == "8bit",
         bnb_4bit_quant_type=args.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=not args.no_double_quant,
         bnb_4bit_compute_dtype=compute_dtype,
@@ -179,8 +179,8 @@ def main(argv=None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
 
-    extras = {"bits": args.bits, "bnb_4bit_quant_type": args.bnb_4bit_quant_type if args.bits == 4 else None,
-              "double_quant": args.bits == 4 and not args.no_double_quant,
+    extras = {"bnb_4bit_quant_type": args.bnb_4bit_quant_type if args.load_in == "4bit" else None,
+              "load_in": args.load_in, "double_quant": args.load_in == "4bit" and not args.no_double_quant,
               "bnb_compute_dtype": str(compute_dtype).removeprefix("torch."),
               "gradient_checkpointing": not args.no_gradient_checkpointing, "use_dora": args.use_dora,
               "trainable_params": trainable, "total_params": total,

@@ -171,7 +171,7 @@ RUNS = [
     ("zero3_offload", None, 1, ()),  # the recipe's own settings, 1 process
     pytest.param("zero3_offload", "zero3_offload.yaml", 2, (), marks=pytest.mark.slow),  # its copied config
     ("qlora", None, 1, ()),
-    ("optim_low_bit", None, 1, ("--optim", "bnb_adamw_8bit")),  # no compiled step: torchao's would add ~30 s here
+    ("optim_low_bit", None, 1, ("--optim", "adamw_bnb_8bit")),  # no compiled step: torchao's would add ~30 s here
     ("fp8", None, 1, ("--max_seq_length", "16", "--max_eval_samples", "8")),  # CPU torch._scaled_mm is slow
     pytest.param("fsdp", "fsdp.yaml", 2, (), marks=pytest.mark.slow),  # FSDP refuses 1 process
     pytest.param("pipeline_parallel", "pipeline.yaml", 2, ("--per_device_train_batch_size", "8",

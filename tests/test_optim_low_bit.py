@@ -12,11 +12,13 @@ from tests.quant_models import make_model_dir
 
 # Same data, same init, no dropout: only the optimizer differs. Measured after 6 steps (hidden 256, 2026-12-01, two
 # random inits): 8-bit and FP8 within 0.001% of torch AdamW's loss, 4-bit 0.60-0.66% above it.
-LOSS_RTOL = {"adamw_8bit": 0.01, "bnb_adamw_8bit": 0.01, "adamw_fp8": 0.01, "adamw_4bit": 0.02}
+LOSS_RTOL = {"adamw_torchao_8bit": 0.01, "adamw_bnb_8bit": 0.01, "adamw_torchao_fp8": 0.01, "adamw_torchao_4bit": 0.02}
 # State bytes / torch AdamW's: ideal 0.125 (4-bit: 2 x 0.5 B/param) and 0.25 (8-bit, FP8), plus block scales and
 # the small tensors (biases, LayerNorms) that keep 32-bit state.
-STATE_RATIO = {"adamw_4bit": 0.14, "adamw_fp8": 0.27, "adamw_8bit": 0.27, "bnb_adamw_8bit": 0.27}
-CLASS = {"adamw_4bit": "AdamW4bit", "adamw_fp8": "AdamWFp8", "adamw_8bit": "AdamW8bit", "bnb_adamw_8bit": "AdamW8bit"}
+STATE_RATIO = {"adamw_torchao_4bit": 0.14, "adamw_torchao_fp8": 0.27, "adamw_torchao_8bit": 0.27,
+               "adamw_bnb_8bit": 0.27}
+CLASS = {"adamw_torchao_4bit": "AdamW4bit", "adamw_torchao_fp8": "AdamWFp8", "adamw_torchao_8bit": "AdamW8bit",
+         "adamw_bnb_8bit": "AdamW8bit"}
 COMMON = ("--task", "causal-lm", "--max_train_steps", "6", "--logging_steps", "1", "--disable_dropout",
           "--max_train_samples", "96", "--max_eval_samples", "16", "--no_save_model")
 
@@ -65,7 +67,7 @@ def test_state_bytes_and_loss_against_torch_adamw(optim, runs, model_dir):
 @pytest.mark.slow
 def test_4bit_under_fsdp2_in_two_processes(tmp_path):
     """torchao's AdamW4bit on FSDP2 shards: the combination that failed in its compiled step (shared/core/optim.py)."""
-    r = launch("optim_low_bit", tmp_path, "--optim", "adamw_4bit", *COMMON, config="fsdp.yaml")
+    r = launch("optim_low_bit", tmp_path, "--optim", "adamw_torchao_4bit", *COMMON, config="fsdp.yaml")
     assert (r["num_processes"], r["sharding"], r["optimizer_class"]) == (2, "fsdp", "AdamW4bit")
     assert r["tensors_with_quantized_state"] > 0
     assert r["train_loss"] < r["initial_loss"]
@@ -74,9 +76,10 @@ def test_4bit_under_fsdp2_in_two_processes(tmp_path):
 
 
 @pytest.mark.parametrize("optim, env, says", [
-    ("bnb_adamw_8bit", {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2"},
-     "--optim bnb_adamw_8bit under FSDP: bitsandbytes' optimizer kernels do not take FSDP2's sharded DTensor"),
-    ("adamw_4bit", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "WORLD_SIZE": "2"},
+    ("adamw_bnb_8bit", {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2"},
+     "--optim adamw_bnb_8bit under FSDP: bitsandbytes' optimizer kernels do not take FSDP2's sharded DTensor"),
+    ("adamw_torchao_4bit",
+     {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "WORLD_SIZE": "2"},
      "torchao's optimizer would step DeepSpeed's flat fp32 partitions"),
 ])
 def test_refused_before_training(optim, env, says, tmp_path, monkeypatch):

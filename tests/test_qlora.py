@@ -35,7 +35,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("task", TASKS)
 def test_4bit_base_adapters_only_gradients_and_loss(runs, task):
     r = runs[task]
-    assert (r["bits"], r["bnb_4bit_quant_type"], r["double_quant"]) == (4, "nf4", True)
+    assert (r["load_in"], r["bnb_4bit_quant_type"], r["double_quant"]) == ("4bit", "nf4", True)
     assert r["bnb_compute_dtype"] == "float32" and r["gradient_checkpointing"]
     assert r["quantized_layers"] >= 8
     if task == "causal-lm":  # width 256; at width 64 the per-layer code books push it to ~0.30-0.31
@@ -104,10 +104,10 @@ def test_adapter_reloads_onto_fresh_4bit_base_and_merge(runs, tmp_path_factory):
 
 def test_8bit_base(tmp_path_factory):
     task = "text-classification"
-    r = run_recipe("qlora", tmp_path_factory.mktemp("qlora8"), "--task", task, "--bits", "8",
+    r = run_recipe("qlora", tmp_path_factory.mktemp("qlora8"), "--task", task, "--load_in", "8bit",
                    "--model_name_or_path", _model_dir(tmp_path_factory, task), "--max_train_steps", "3", *COMMON,
                    "--no_save_model")
-    assert r["bits"] == 8 and r["quantized_layers"] >= 12
+    assert r["load_in"] == "8bit" and r["quantized_layers"] >= 12
     assert r["quantized_to_bf16_weight_ratio"] <= 0.55, r["quantized_to_bf16_weight_ratio"]
     assert r["lora_grads_first_backward"]["lora_no_grad"] == 0
 
@@ -116,7 +116,7 @@ def test_8bit_base(tmp_path_factory):
 def test_qlora_ddp_two_processes(tmp_path):
     r = launch("qlora", tmp_path, "--task", "causal-lm", "--max_train_steps", "6", *COMMON)
     assert r["num_processes"] == 2 and r["distributed_type"] == "MULTI_CPU"
-    assert r["bits"] == 4 and r["quantized_layers"] > 0
+    assert r["load_in"] == "4bit" and r["quantized_layers"] > 0
     assert len(r["param_bytes"]) == 2 and r["param_bytes"][0] == r["param_bytes"][1]  # a whole copy per process
     assert r["lora_grads_second_backward"]["lora_no_grad"] == 0
     assert r["train_loss"] < r["initial_loss"]
@@ -128,9 +128,10 @@ ZERO3 = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": 
 
 @pytest.mark.parametrize("flags, env, message", [
     (["--device_map", "auto"], {"WORLD_SIZE": "2"}, "--device_map auto spreads one model over several devices"),
-    (["--bits", "4"], ZERO3, "Pass --bnb_4bit_quant_storage bfloat16"),  # ZeRO-3 without quant storage
-    (["--bits", "8"], {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2"}, "--bits 8 under fsdp: int8 bitsandbytes"),
-    (["--bits", "4", "--bnb_4bit_quant_storage", "bfloat16", "--device_map", "auto"], ZERO3,
+    (["--load_in", "4bit"], ZERO3, "Pass --bnb_4bit_quant_storage bfloat16"),  # ZeRO-3 without quant storage
+    (["--load_in", "8bit"], {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2"},
+     "--load_in 8bit under fsdp: int8 bitsandbytes"),
+    (["--load_in", "4bit", "--bnb_4bit_quant_storage", "bfloat16", "--device_map", "auto"], ZERO3,
      "--device_map auto under zero3"),
     (["--merge", "--no_save_model"], {}, "Drop one of them"),
 ])
@@ -197,7 +198,7 @@ def test_qlora_on_a_hidden_40_model_evaluates(tmp_path):
     tok.save_pretrained(tmp_path / "m")
     r = run_recipe("qlora", tmp_path / "out", "--task", "causal-lm", "--model_name_or_path", tmp_path / "m",
                    "--max_train_steps", 2, "--max_eval_samples", 8, "--no_save_model")
-    assert r["bits"] == 4 and r["quantized_layers"] >= 4
+    assert r["load_in"] == "4bit" and r["quantized_layers"] >= 4
     assert r["eval_loss"] is not None and r["eval_loss"] > 0
 
 

@@ -131,12 +131,12 @@ def test_the_scan_finds_a_refusal(tmp_path):
 
 # One Run per rule's situation: launch-time asks on every recipe, launch and process count, and built facts.
 _ASKS = [
-    {}, {"accumulation": 2}, {"optimizer": "adamw_8bit"}, {"optimizer": "bnb_adamw_8bit"},
-    {"optimizer": "bnb_adamw_8bit", "offload": "cpu"}, {"optimizer": "adamw_in_backward", "accumulation": 2},
+    {}, {"accumulation": 2}, {"optimizer": "adamw_torchao_8bit"}, {"optimizer": "adamw_bnb_8bit"},
+    {"optimizer": "adamw_bnb_8bit", "offload": "cpu"}, {"optimizer": "adamw_in_backward", "accumulation": 2},
     {"optimizer": "adamw_in_backward", "max_grad_norm": 1.0}, {"optimizer": "adamw_in_backward", "precision": "fp16"},
     {"precision": "fp16"}, {"precision": "bf16"}, {"precision": "fp16", "on_accelerator": False},
-    {"compile": "regional"}, {"base_weights": "nf4"}, {"base_weights": "int8", "lora": True},
-    {"base_weights": "nf4", "lora": True}, {"base_weights": "nf4", "lora": True, "dora": True}, {"dora": True},
+    {"compile": "regional"}, {"load_in": "4bit"}, {"load_in": "8bit", "lora": True},
+    {"load_in": "4bit", "lora": True}, {"load_in": "4bit", "lora": True, "dora": True}, {"dora": True},
     {"spread_devices": True}, {"merge_unsaved": True}, {"stages_per_replica": 3}, {"tensor_parallel_size": 3},
     {"parallelism_config": "tp=2 cp=2", "on_accelerator": False}, {"packing": "per_document"},
     {"task": "text-classification"}, {"task": "causal-lm", "seq_len": 7}, {"task": "causal-lm", "packing": "none"},
@@ -199,7 +199,7 @@ def test_the_sweeps_quant_storage_follows_the_table():
     import compat
 
     for sharding in compat.SHARDING:
-        run = Run(recipe="combined", sharding=sharding, launched=sharding, num_processes=2, base_weights="nf4",
+        run = Run(recipe="combined", sharding=sharding, launched=sharding, num_processes=2, load_in="4bit",
                   lora=True)
         refused = any("packed in uint8" in r for r in rules.refusals(run))
         assert compat.bf16_storage_lifts_a_rule(sharding, "nf4+lora") == refused == (sharding in ("zero3", "fsdp"))

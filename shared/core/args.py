@@ -43,6 +43,39 @@ def number(kind: type = int, low: float | None = None, high: float | None = None
 COUNT = number(int, low=1)  # batch sizes, steps, lengths: 0 would silently do nothing
 STEPS = number(int, low=1, note=" (unset: never)")
 
+# --optim names: the library is part of the name, so one name means one implementation in every recipe.
+OPTIMIZERS = {"adamw": "torch", "adamw_bnb_8bit": "bitsandbytes", "adamw_torchao_8bit": "torchao",
+              "adamw_torchao_4bit": "torchao", "adamw_torchao_fp8": "torchao"}
+# Spellings of earlier versions, refused at parse time with today's name: `adamw_8bit` was bitsandbytes' AdamW8bit in
+# recipes/combined.py and torchao's in recipes/optim_low_bit.py, so no single meaning can be kept for it.
+RENAMED_VALUES = {"adamw_8bit": ("adamw_bnb_8bit", "adamw_torchao_8bit"), "bnb_adamw_8bit": ("adamw_bnb_8bit",),
+                  "adamw8bit": ("adamw_bnb_8bit",), "adamw_4bit": ("adamw_torchao_4bit",),
+                  "adamw_fp8": ("adamw_torchao_fp8",)}
+# Flags of earlier versions: (today's flag, how it spells the old flag's value). Refused where the new flag exists.
+RENAMED_FLAGS = {"--bits": ("--load_in", "{}bit")}  # recipes/qlora.py's --bits 4 / 8
+
+
+def one_of(*names: str) -> dict:
+    """add_argument's `choices` and `type` for a flag of named values: a spelling of an earlier version
+    (RENAMED_VALUES) is refused with the name it has now, where argparse alone would say only 'invalid choice'."""
+
+    def parse(text: str) -> str:
+        new = [n for n in RENAMED_VALUES.get(text, ()) if n in names]
+        if text not in names and new:
+            spelled = " or ".join(f"{n} ({OPTIMIZERS[n]})" if n in OPTIMIZERS else n for n in new)
+            raise argparse.ArgumentTypeError(f"{text!r} is an old name that is no longer accepted: pass {spelled}")
+        return text
+
+    parse.__name__ = "choice"
+    return {"choices": names, "type": parse}
+
+
+def _renamed_flag(old: str, new: str, value: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        raise argparse.ArgumentTypeError(f"{old} was renamed: pass {new} {value.format(text)}")
+
+    return parse
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:
@@ -155,6 +188,10 @@ def parse_args(
 
     if add_recipe_args is not None:
         add_recipe_args(p.add_argument_group("this recipe"))
+    for old, (new, value) in RENAMED_FLAGS.items():  # hidden: refused with the new spelling, not 'unrecognized'
+        if new in p._option_string_actions and old not in p._option_string_actions:
+            p.add_argument(old, dest=f"renamed_{old.lstrip('-')}", type=_renamed_flag(old, new, value),
+                           help=argparse.SUPPRESS)
     p.set_defaults(**defaults)
     for action in p._actions:  # argparse prints a default only beside some help text
         if action.help is None and action.option_strings:

@@ -18,6 +18,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 # ---------------------------------------------------------------- bytes on live tensors
 
+_CORE_PACKAGE = __package__.split(".")[0]  # "shared" (or "recipe_core" in a copy): its optimizers are walked
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """An FSDP2 / tensor-parallel shard's local piece; any other tensor as it is."""
@@ -59,9 +61,9 @@ def _walk(obj: object, path: str, seen_objs: set[int], depth: int = 0) -> Iterat
     elif isinstance(obj, (list, tuple, set)):
         for v in obj:
             yield from _walk(v, path, seen_objs, depth + 1)
-    # __package__: this core, under the name it was copied as (shared, or recipe_core in a copied-out recipe).
+    # _CORE_PACKAGE: this core, under the name it was copied as (shared, or recipe_core in a copied-out recipe).
     elif type(obj).__module__.split(".")[0] in ("torch", "deepspeed", "bitsandbytes", "accelerate", "torchao",
-                                                "transformers", "peft", __package__, "__main__"):
+                                                "transformers", "peft", _CORE_PACKAGE, "__main__"):
         for k, v in getattr(obj, "__dict__", {}).items():
             yield from _walk(v, f"{path}.{k}", seen_objs, depth + 1)
 

@@ -17,7 +17,7 @@ import torch
 
 from .measure import stepping_optimizer
 from .results import end_run
-from .rules import RECIPES, offload_of, sharding_of
+from .rules import RECIPES, offload_of, offload_params_of, sharding_of
 
 if TYPE_CHECKING:
     from .launch import Launch
@@ -74,7 +74,7 @@ def report(accelerator, launch: Launch, task, model, optimizer) -> None:
         # What the planner's estimate needs (shared/tools/preflight.py): the run as launched, and this machine.
         "sharding": sharding_of(accelerator),
         "offload": offload_of(accelerator),
-        "offload_param": ((ds_config or {}).get("zero_optimization", {}).get("offload_param") or {}).get("device"),
+        "offload_params": offload_params_of(accelerator),
         "flags": {**vars(args), **launch.resolved()},
         # (a pipeline stage has no config of its own: the whole model's)
         "model_config": getattr(accelerator.unwrap_model(model, keep_torch_compile=False), "config",

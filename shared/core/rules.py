@@ -13,8 +13,12 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from .args import OPTIMIZERS
+
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
-TORCHAO_OPTIMIZERS = ("adamw_8bit", "adamw_4bit", "adamw_fp8")  # Run.optimizer names of torchao.optim's AdamWs
+OFFLOADS = ("none", "cpu", "nvme")  # where the offloaded state goes (DeepSpeed's device words)
+LOAD_IN = ("full", "8bit", "4bit")  # base weights: full precision, or quantized by bitsandbytes (--load_in)
+TORCHAO_OPTIMIZERS = tuple(name for name, library in OPTIMIZERS.items() if library == "torchao")  # --optim
 _CLASSIC = ("none", "ddp")  # one process, or DDP replicas: what a recipe that shows no sharding runs under
 _ZERO = ("zero1", "zero2", "zero3")
 
@@ -39,6 +43,13 @@ class Support:
     splits_sequence: bool = False  # each process holds a chunk of every sequence (sequence parallel)
     no_fp16: str = ""  # why it refuses fp16 ("": it takes it)
     needs_trained_model: bool = False  # it starts from a trained model (--model_name_or_path), never a fresh preset
+    # The catalogue beyond this table. The memory planner (shared/tools/plan.py) has rows of its own for a recipe,
+    # or models it as the recipe named in `plans_as`, or says in `not_planned` why it has no model of it.
+    plans_as: str = ""
+    not_planned: str = ""
+    # Lines `diff recipes/baseline.py recipes/<name>.py` may add or remove (tests/test_recipe_shape.py): the recipe
+    # shows its technique and little else. Measured 2026-12-01, plus about 10% (at least 4) for small edits.
+    diff_budget: int = 0
 
 
 _NO = {  # --torch_compile: why these recipes refuse it (the others: not run compiled here yet)
@@ -55,45 +66,68 @@ _NO = {  # --torch_compile: why these recipes refuse it (the others: not run com
     "zero3_offload": ("under DeepSpeed, Accelerate compiles the engine's module in place (engine.compile), which has "
                       "not been run on this stack"),
 }
+_NOT_PLANNED = {  # why shared/tools/plan.py has no rows for these
+    "pruning": "its masks and the pruning schedule's state are not modelled",
+    "qat": "the fake-quantized weights and their observers are not modelled",
+    "ptq": "it does not train: it quantizes a trained model for serving",
+    "model_parallel": "one model spread over several devices by one process is not modelled",
+    "pipeline_parallel": "pipeline stages (each device's blocks and its micro-batches in flight) are not modelled",
+    "combined": "its combinations are modelled by the rows of the recipes that show each technique (zero, fsdp, qlora, "
+                "optim_8bit, activation_checkpointing)",
+    "fp8": "FP8 weights, activations and scales (torchao's Float8Linear) are not modelled",
+}
 _SHARDED = "recipes/zero.py (ZeRO), recipes/fsdp.py (FSDP) or recipes/combined.py (this technique with sharding)"
+_ONE_OR_DDP = "a single process or DDP (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml)"
 RECIPES: dict[str, Support] = {
     "baseline": Support(compiles=True, instead=_SHARDED),
-    "mixed_precision": Support(compiles=True, instead=_SHARDED),
-    "gradient_accumulation": Support(compiles=True, accumulates=True, instead=_SHARDED),
-    "activation_checkpointing": Support(compiles=True, instead="recipes/combined.py --gradient_checkpointing"),
-    "data_parallel": Support(compiles=True, instead=_SHARDED),
-    "optim_8bit": Support(instead="recipes/combined.py --optim adamw_8bit (ZeRO-1/2 without offload)"),
+    "mixed_precision": Support(compiles=True, instead=_SHARDED, diff_budget=41),
+    # Accumulation keeps one micro-batch's activations at a time; DDP replicas each hold what the baseline holds.
+    "gradient_accumulation": Support(compiles=True, accumulates=True, instead=_SHARDED, plans_as="baseline",
+                                     diff_budget=47),
+    "activation_checkpointing": Support(compiles=True, instead="recipes/combined.py --gradient_checkpointing",
+                                        diff_budget=118),  # 107 with --checkpoint_every and the selective policy
+    "data_parallel": Support(compiles=True, instead=_SHARDED, plans_as="baseline", diff_budget=63),
+    "optim_8bit": Support(instead="recipes/combined.py --optim adamw_bnb_8bit (ZeRO-1/2 without offload)",
+                          diff_budget=55),
     # torchao's optimizers train under DDP and FSDP2 (benchmarks/compat.py); ZeRO: see the rule below.
     "optim_low_bit": Support(shardings=(*_CLASSIC, "fsdp"), instead="accelerate_configs/multi_cpu.yaml (DDP), "
-                             "fsdp.yaml or fsdp_offload.yaml (FSDP2)"),
-    "pruning": Support(instead="a single process or DDP (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml)"),
-    "qat": Support(instead="a single process or DDP (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml)"),
+                             "fsdp.yaml or fsdp_offload.yaml (FSDP2)", diff_budget=54),
+    "pruning": Support(instead=_ONE_OR_DDP, not_planned=_NOT_PLANNED["pruning"], diff_budget=148),
+    "qat": Support(instead=_ONE_OR_DDP, not_planned=_NOT_PLANNED["qat"], diff_budget=90),
     "ptq": Support(shardings=("none",), max_processes=1, instead="`python recipes/ptq.py` (one process)",
-                   needs_trained_model=True),
+                   needs_trained_model=True, not_planned=_NOT_PLANNED["ptq"],
+                   diff_budget=106),  # its Accelerator() passes none of the loop's arguments: it has no loop
     "model_parallel": Support(no_compile=_NO["model_parallel"], shardings=("none",), max_processes=1,
-                              instead="recipes/data_model_parallel.py for stages with data-parallel replicas"),
+                              instead="recipes/data_model_parallel.py for stages with data-parallel replicas",
+                              not_planned=_NOT_PLANNED["model_parallel"], diff_budget=95),
     "pipeline_parallel": Support(shardings=("ddp",), min_processes=2, instead="accelerate_configs/pipeline.yaml",
-                                 own_attention_mask=True, no_compile=_NO["pipeline_parallel"]),
+                                 own_attention_mask=True, no_compile=_NO["pipeline_parallel"],
+                                 not_planned=_NOT_PLANNED["pipeline_parallel"], diff_budget=145),
     "data_model_parallel": Support(no_compile=_NO["data_model_parallel"], shardings=("ddp",), min_processes=4,
-                                   instead="accelerate_configs/data_model_parallel.yaml", own_attention_mask=True),
+                                   instead="accelerate_configs/data_model_parallel.yaml", own_attention_mask=True,
+                                   not_planned=_NOT_PLANNED["pipeline_parallel"], diff_budget=160),
     # Tensor parallel (recipes/tensor_parallel.py): one TP group of all processes, or --tp_size N groups with FSDP2
     # across them on a (dp, tp) mesh it builds itself; the launch is a plain multi-process one.
     "tensor_parallel": Support(no_compile=_NO["tensor_parallel"], shardings=("ddp",), min_processes=2,
                                no_fp16="its loss scaler is not wired to the sharded gradients",
                                instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
-                                       "the tensor-parallel degree), or tp2_dp2.yaml with --tp_size 2 (TP x FSDP2)"),
+                                       "the tensor-parallel degree), or tp2_dp2.yaml with --tp_size 2 (TP x FSDP2)",
+                               diff_budget=140),
     # Ulysses sequence parallel over all processes (recipes/sequence_parallel.py): each holds a chunk of every sequence.
     "sequence_parallel": Support(shardings=("ddp",), min_processes=2, splits_sequence=True,
                                  instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
-                                         "the sequence-parallel degree)"),
+                                         "the sequence-parallel degree)", diff_budget=62),  # 56 measured
     "zero": Support(shardings=_ZERO, accumulates=True, instead="accelerate_configs/zero1.yaml, zero2.yaml, zero3.yaml",
-                    no_compile=_NO["zero"]),
+                    no_compile=_NO["zero"], diff_budget=81),
     "zero3_offload": Support(no_compile=_NO["zero3_offload"], shardings=_ZERO, accumulates=True, needs_offload=True,
-                             instead="accelerate_configs/zero3_offload.yaml, zero2_offload.yaml or zero3_nvme.yaml"),
-    "fsdp": Support(shardings=("fsdp",), min_processes=2, instead="accelerate_configs/fsdp.yaml or fsdp_offload.yaml"),
-    "qlora": Support(shardings=SHARDINGS),
-    "combined": Support(shardings=SHARDINGS),
-    "chunked_loss": Support(shardings=SHARDINGS),  # the head module's own hooks gather it (tests/test_chunked_loss.py)
+                             instead="accelerate_configs/zero3_offload.yaml, zero2_offload.yaml or zero3_nvme.yaml",
+                             diff_budget=92),
+    "fsdp": Support(shardings=("fsdp",), min_processes=2, instead="accelerate_configs/fsdp.yaml or fsdp_offload.yaml",
+                    diff_budget=55),
+    "qlora": Support(shardings=SHARDINGS, diff_budget=162),
+    "combined": Support(shardings=SHARDINGS, not_planned=_NOT_PLANNED["combined"], diff_budget=150),
+    # The head module's own hooks gather it (tests/test_chunked_loss.py).
+    "chunked_loss": Support(shardings=SHARDINGS, diff_budget=63),
     # One process only (sharding "none" is never launched with more), found by running DDP over gloo with the hooks:
     # tests/test_optimizer_in_backward.py.
     "optimizer_in_backward": Support(
@@ -104,13 +138,15 @@ RECIPES: dict[str, Support] = {
         why_not="its hooks step each parameter on this process's own gradient, before DDP's all-reduce has averaged "
                 "it (measured on gloo: the replicas differ after one step, and DDP's buckets still hold the whole "
                 "model's gradients, so nothing is saved); ZeRO and FSDP reduce gradients their own way, and the hooks "
-                "are not wired to them here"),
+                "are not wired to them here",
+        diff_budget=49),
     # Accelerate's fp8 with torchao: one process and DDP over gloo measured (tests/test_fp8.py). FSDP2 (float8
     # all-gather of DTensor shards) and DeepSpeed were not run on this stack: refused rather than assumed.
     "fp8": Support(precision="fp8", instead="one process or DDP (accelerate_configs/single_process.yaml, "
                    "multi_cpu.yaml, multi_gpu.yaml)",
                    why_not="FP8 under FSDP2 or DeepSpeed has not been run here (torchao's float8 all-gather of "
-                           "FSDP2 shards is the route to try on a GPU)"),
+                           "FSDP2 shards is the route to try on a GPU)",
+                   not_planned=_NOT_PLANNED["fp8"], diff_budget=40),
 }
 
 
@@ -121,17 +157,17 @@ class Run:
     recipe: str
     sharding: str  # what the recipe will run: none | ddp | zero1 | zero2 | zero3 | fsdp
     launched: str  # what the launch config asked for (the same words)
-    offload: str = "none"  # none | cpu | nvme
+    offload: str = "none"  # none | cpu | nvme: where the launch offloads to (OFFLOADS)
     num_processes: int = 1
     precision: str = "no"
     on_accelerator: bool = True
     accumulation: int = 1
-    base_weights: str = "full"  # full | int8 | nf4 (bitsandbytes)
+    load_in: str = "full"  # full | 8bit | 4bit: base weights, quantized by bitsandbytes unless full (LOAD_IN)
     quant_storage: str = "uint8"
     lora: bool = False
     dora: bool = False  # the LoRA adapters as DoRA (PEFT use_dora)
-    # adamw (torch) | bnb_adamw_8bit (bitsandbytes) | adamw_8bit, adamw_4bit, adamw_fp8 (torchao) | adamw_in_backward
-    # (each parameter stepped in its gradient hook)
+    # an --optim name (shared/core/args.py OPTIMIZERS: adamw, adamw_bnb_8bit, adamw_torchao_8bit / 4bit / fp8), or
+    # adamw_in_backward (torch AdamW, each parameter stepped in its gradient hook)
     optimizer: str = "adamw"
     max_grad_norm: float = 0.0  # global-norm clipping (0: none)
     spread_devices: bool = False  # one model over several devices (device_map="auto")
@@ -223,7 +259,8 @@ RULES: tuple[Rule, ...] = (
                    "partition's size is a multiple of its block size and otherwise silently kept in 32 bits, beside "
                    "DeepSpeed's own fp32 master copy",
          lambda r: "use DDP or FSDP2 with torchao's optimizers (accelerate_configs/multi_cpu.yaml, fsdp.yaml, "
-                   "fsdp_offload.yaml), or bitsandbytes' 8-bit under ZeRO-1/2: recipes/combined.py --optim adamw_8bit"),
+                   "fsdp_offload.yaml), or bitsandbytes' 8-bit under ZeRO-1/2: recipes/combined.py --optim "
+                   "adamw_bnb_8bit"),
     Rule(lambda r: _kind(r.launched) in ("zero", "fsdp") and _kind(r.sharding) != _kind(r.launched),
          lambda r: f"the launch config asks for {_launch_words(r)}, and recipes/{r.recipe}.py runs "
                    f"{'DeepSpeed' if _kind(r.sharding) == 'zero' else 'FSDP'} itself",
@@ -288,25 +325,25 @@ RULES: tuple[Rule, ...] = (
                    "them all for inf/NaN before any parameter steps, and here each parameter steps inside backward "
                    "with its still-scaled gradient",
          lambda r: "use --mixed_precision bf16 (no loss scaling) or no"),
-    Rule(lambda r: r.base_weights != "full" and not r.lora,
-         lambda r: f"{r.flag('base_weights')}: quantized base weights are frozen and cannot train",
+    Rule(lambda r: r.load_in != "full" and not r.lora,
+         lambda r: f"{r.flag('load_in')}: quantized base weights are frozen and cannot train",
          lambda r: f"add {r.flag('lora')} (adapters train on top of them), or load full weights"),
     Rule(lambda r: r.dora and not r.lora,
          lambda r: f"{r.flag('dora')} makes the LoRA adapters DoRA adapters, and {r.flag('lora')} trains none",
          lambda r: f"add {r.flag('lora')}, or drop {r.flag('dora')}"),
     # Tried (benchmarks/compat.py, 2026-12-01): every ZeRO-3 cell of DoRA on a 4-bit base crashed in the first
     # backward, with or without checkpointing and offload; LoRA on the same base trains there.
-    Rule(lambda r: r.dora and r.base_weights != "full" and r.sharding == "zero3",
-         lambda r: f"{r.flag('dora')} on a {r.base_weights} base under zero3: DeepSpeed's backward hooks meet a "
-                   "bitsandbytes weight they never partitioned (AttributeError: 'Params4bit' object has no attribute "
-                   "'ds_status')",
+    Rule(lambda r: r.dora and r.load_in != "full" and r.sharding == "zero3",
+         lambda r: f"{r.flag('dora')} on a {r.load_in.replace('bit', '-bit')} base under zero3: DeepSpeed's backward "
+                   "hooks meet a bitsandbytes weight they never partitioned (AttributeError: 'Params4bit' object has "
+                   "no attribute 'ds_status')",
          lambda r: f"use FSDP (accelerate_configs/fsdp.yaml) or ZeRO-1/2 for DoRA, or drop {r.flag('dora')} "
                    "(LoRA on this base trains under ZeRO-3)"),
-    Rule(lambda r: r.base_weights == "int8" and r.sharded_params,
-         lambda r: f"{r.flag('base_weights')} under {r.sharding}: int8 bitsandbytes weights cannot be sharded",
+    Rule(lambda r: r.load_in == "8bit" and r.sharded_params,
+         lambda r: f"{r.flag('load_in')} under {r.sharding}: int8 bitsandbytes weights cannot be sharded",
          lambda r: f"use 4-bit weights with {r.flag('quant_storage')} bfloat16, or ZeRO-1/2 / DDP"),
-    Rule(lambda r: r.base_weights == "nf4" and r.sharded_params and r.quant_storage == "uint8",
-         lambda r: f"{r.flag('base_weights')} under {r.sharding}: parameters are sharded per floating dtype, and "
+    Rule(lambda r: r.load_in == "4bit" and r.sharded_params and r.quant_storage == "uint8",
+         lambda r: f"{r.flag('load_in')} under {r.sharding}: parameters are sharded per floating dtype, and "
                    "4-bit weights are packed in uint8 by default",
          lambda r: f"pass {r.flag('quant_storage')} bfloat16 (the model's dtype), or use ZeRO-1/2 / DDP"),
     Rule(lambda r: r.spread_devices and r.num_processes > 1,
@@ -361,13 +398,13 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda r: r.merge_unsaved,
          lambda r: f"{r.flag('merge_unsaved')} merges the saved adapter, and --no_save_model skips saving it",
          lambda r: "drop one of them"),
-    Rule(lambda r: r.optimizer == "bnb_adamw_8bit" and r.sharding.startswith("zero") and r.offload != "none",
+    Rule(lambda r: r.optimizer == "adamw_bnb_8bit" and r.sharding.startswith("zero") and r.offload != "none",
          # Accelerate swaps any optimizer for DeepSpeedCPUAdam under ZeRO offload: 32-bit state, not the 8-bit asked.
          lambda r: f"{r.flag('optimizer')} with ZeRO {r.offload} offload: the offloaded step runs DeepSpeedCPUAdam "
                    "(32-bit state in host memory), so the 8-bit optimizer would silently not be used",
          lambda r: f"drop {r.flag('optimizer')} (offload already moves the state off the device), or drop the "
                    "offload"),
-    Rule(lambda r: r.optimizer == "bnb_adamw_8bit" and r.sharding == "fsdp",
+    Rule(lambda r: r.optimizer == "adamw_bnb_8bit" and r.sharding == "fsdp",
          lambda r: f"{r.flag('optimizer')} under FSDP: bitsandbytes' optimizer kernels do not take FSDP2's sharded "
                    "DTensor parameters (NotImplementedError in optimizer_update)",
          lambda r: "use ZeRO-1/2 or DDP with the 8-bit optimizer, or torch AdamW under FSDP"),
@@ -564,3 +601,15 @@ def offload_of(accelerator) -> str:
 
         return "cpu" if isinstance(accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy) else "none"
     return "none"
+
+
+def offload_params_of(accelerator) -> bool:
+    """Whether the parameters are offloaded too, beside the optimizer state (ZeRO-3's offload_param, FSDP's
+    offload_params): what tells the planner's zero2_offload-like rows from its zero3_offload-like ones."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        zero = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+        return (zero.get("offload_param") or {}).get("device", "none") != "none"
+    return offload_of(accelerator) != "none"  # FSDP offloads the parameters (and all that lives with them)

@@ -257,7 +257,8 @@ def adam_state_bytes(numels: list[int], eight_bit: bool = False, step_tensor: bo
 # --optim of recipes/optim_low_bit.py: (bits per element of each moment, block size, code-book entries), from torchao
 # 0.18's optim/subclass_4bit.py, subclass_8bit.py, subclass_fp8.py. A tensor is quantized when it has at least 4096
 # elements and a multiple of the block (adam.py's _new_buffer); the others keep fp32 moments.
-TORCHAO_STATES = {"adamw_4bit": (4, 128, 16), "adamw_8bit": (8, 256, 256), "adamw_fp8": (8, 256, 0)}
+TORCHAO_STATES = {"adamw_torchao_4bit": (4, 128, 16), "adamw_torchao_8bit": (8, 256, 256),
+                  "adamw_torchao_fp8": (8, 256, 0)}
 
 
 def torchao_adam_state_bytes(numels: list[int], optim: str) -> float:
@@ -468,17 +469,19 @@ def sequence_parallel_activations(spec: ModelSpec, batch: int, seq: int, n: int,
 
 @dataclass(frozen=True)
 class Technique:
-    """A recipe + launch config and what it does to memory. Adding one is adding a line to TECHNIQUES."""
+    """A recipe + launch config and what it does to memory. Adding one is adding a line to TECHNIQUES. The fields
+    are shared/core/rules.py's Run fields, in its words (compat_run passes them on as they are)."""
 
     name: str
-    recipe: str
+    recipe: str  # a key of shared/core/rules.py's RECIPES
     config: str | None  # accelerate_configs/<config>; None: the data-parallel config for --num_gpus
-    strategy: str = "ddp"  # ddp | zero1 | zero2 | zero3 | fsdp
-    offload: str = "none"  # none | optimizer (to CPU) | all (params + optimizer to CPU) | nvme
+    sharding: str = "ddp"  # ddp (one process: none) | zero1 | zero2 | zero3 | fsdp
+    offload: str = "none"  # none | cpu | nvme: where the optimizer state (and with offload_params, the weights) go
+    offload_params: bool = False  # the parameters offloaded too (ZeRO-3 offload_param, FSDP offload_params)
     precision: str | None = None  # fixed precision; None: fp32 and bf16 (--mixed_precision) are both planned
     checkpointing: bool = False
-    optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes) | TORCHAO_STATES' keys | in_backward
-    quant: str = "none"  # none | int8 | nf4: base weights quantized, LoRA adapters trained
+    optimizer: str = "adamw"  # adamw | adamw_bnb_8bit | TORCHAO_STATES' keys (--optim names) | adamw_in_backward
+    load_in: str = "full"  # full | 8bit | 4bit (NF4): base weights quantized, LoRA adapters trained
     dora: bool = False  # the LoRA adapters as DoRA: one trained magnitude per adapted output beside A and B
     loss_chunk: int = 0  # causal LM: tokens per chunk of the chunked loss (techniques/chunked_loss.py); 0: plain
     args: tuple[str, ...] = ()
@@ -491,24 +494,27 @@ TECHNIQUES: list[Technique] = [
     Technique("baseline", "baseline", None),
     Technique("mixed_precision", "mixed_precision", None, precision="bf16", args=("--mixed_precision", "bf16")),
     Technique("activation_checkpointing", "activation_checkpointing", None, checkpointing=True),
-    Technique("optim_8bit", "optim_8bit", None, optimizer="adamw8bit"),
-    Technique("optim_4bit", "optim_low_bit", None, optimizer="adamw_4bit", args=("--optim", "adamw_4bit")),
-    Technique("optim_fp8", "optim_low_bit", None, optimizer="adamw_fp8", args=("--optim", "adamw_fp8")),
-    Technique("optimizer_in_backward", "optimizer_in_backward", None, optimizer="in_backward"),
-    Technique("zero1", "zero", "zero1.yaml", strategy="zero1"),
-    Technique("zero2", "zero", "zero2.yaml", strategy="zero2"),
-    Technique("zero3", "zero", "zero3.yaml", strategy="zero3", speed=1.15),
-    Technique("zero2_offload", "zero3_offload", "zero2_offload.yaml", strategy="zero2", offload="optimizer",
-              speed=1.6),
-    Technique("zero3_offload", "zero3_offload", "zero3_offload.yaml", strategy="zero3", offload="all", speed=2.5),
-    Technique("zero3_nvme", "zero3_offload", "zero3_nvme.yaml", strategy="zero3", offload="nvme", speed=4.0),
-    Technique("fsdp", "fsdp", "fsdp.yaml", strategy="fsdp", speed=1.15),
-    Technique("fsdp_offload", "fsdp", "fsdp_offload.yaml", strategy="fsdp", offload="all", speed=2.5),
-    Technique("qlora_8bit", "qlora", None, precision="bf16", quant="int8", args=("--bits", "8"), speed=1.6),
-    Technique("qlora_4bit", "qlora", None, precision="bf16", quant="nf4", args=("--bits", "4"), speed=1.2),
+    Technique("optim_8bit", "optim_8bit", None, optimizer="adamw_bnb_8bit"),
+    Technique("optim_4bit", "optim_low_bit", None, optimizer="adamw_torchao_4bit",
+              args=("--optim", "adamw_torchao_4bit")),
+    Technique("optim_fp8", "optim_low_bit", None, optimizer="adamw_torchao_fp8", args=("--optim", "adamw_torchao_fp8")),
+    Technique("optimizer_in_backward", "optimizer_in_backward", None, optimizer="adamw_in_backward"),
+    Technique("zero1", "zero", "zero1.yaml", sharding="zero1"),
+    Technique("zero2", "zero", "zero2.yaml", sharding="zero2"),
+    Technique("zero3", "zero", "zero3.yaml", sharding="zero3", speed=1.15),
+    Technique("zero2_offload", "zero3_offload", "zero2_offload.yaml", sharding="zero2", offload="cpu", speed=1.6),
+    Technique("zero3_offload", "zero3_offload", "zero3_offload.yaml", sharding="zero3", offload="cpu",
+              offload_params=True, speed=2.5),
+    Technique("zero3_nvme", "zero3_offload", "zero3_nvme.yaml", sharding="zero3", offload="nvme", offload_params=True,
+              speed=4.0),
+    Technique("fsdp", "fsdp", "fsdp.yaml", sharding="fsdp", speed=1.15),
+    Technique("fsdp_offload", "fsdp", "fsdp_offload.yaml", sharding="fsdp", offload="cpu", offload_params=True,
+              speed=2.5),
+    Technique("qlora_8bit", "qlora", None, precision="bf16", load_in="8bit", args=("--load_in", "8bit"), speed=1.6),
+    Technique("qlora_4bit", "qlora", None, precision="bf16", load_in="4bit", args=("--load_in", "4bit"), speed=1.2),
     # DoRA's step: 1.33x LoRA's (benchmarks/dora.py, docs/dora.md)
-    Technique("qlora_4bit_dora", "qlora", None, precision="bf16", quant="nf4", dora=True,
-              args=("--bits", "4", "--use_dora"), speed=1.6),
+    Technique("qlora_4bit_dora", "qlora", None, precision="bf16", load_in="4bit", dora=True,
+              args=("--load_in", "4bit", "--use_dora"), speed=1.6),
     Technique("chunked_loss", "chunked_loss", None, loss_chunk=1024),
     # the global batch is one device's (the devices split sequences): a prior of 1.1 for the 4 all-to-alls a block
     Technique("sequence_parallel", "sequence_parallel", None, splits_sequence=True, speed=1.1),
@@ -583,13 +589,13 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
     numels = spec.tensor_numels
     psi = spec.num_params
     half = precision in ("bf16", "fp16")
-    deepspeed = tech.strategy.startswith("zero")
-    stage = int(tech.strategy[-1]) if deepspeed else (3 if tech.strategy == "fsdp" else 0)
+    deepspeed = tech.sharding.startswith("zero")
+    stage = int(tech.sharding[-1]) if deepspeed else (3 if tech.sharding == "fsdp" else 0)
     act = (sequence_parallel_activations(spec, batch, seq, n, precision, kernels) if tech.splits_sequence
            else activation_bytes(spec, batch, seq, precision, tech.checkpointing, kernels, loss_chunk=tech.loss_chunk))
 
-    if tech.quant != "none":  # QLoRA: quantized frozen base, 16-bit rest, fp32 LoRA adapters trained
-        qbytes = sum(nf4_bytes(num) if tech.quant == "nf4" else int8_bytes(num, out)
+    if tech.load_in != "full":  # QLoRA: quantized frozen base, 16-bit rest, fp32 LoRA adapters trained
+        qbytes = sum(nf4_bytes(num) if tech.load_in == "4bit" else int8_bytes(num, out)
                      for _, out, num in spec.linear_weights)
         other = psi - sum(num for _, _, num in spec.linear_weights)
         adapters = [lora_r * (i + o) for i, o in spec.lora_targets]
@@ -598,7 +604,7 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
         p.trainable = sum(trainable)
         p.weights = qbytes + 2 * other + 4 * p.trainable
         p.grads = 4 * p.trainable
-        p.optimizer = adam_state_bytes(trainable, eight_bit=tech.optimizer == "adamw8bit")
+        p.optimizer = adam_state_bytes(trainable, eight_bit=tech.optimizer == "adamw_bnb_8bit")
         p.activations = act.saved - act.weight_copies + 2 * sum(num for _, _, num in spec.linear_weights) / 16
         p.notes.append(f"{'DoRA' if tech.dora else 'LoRA'} r={lora_r} on {len(spec.lora_targets)} modules ("
                        "all-linear); activations counted as full fine-tuning's (an upper bound"
@@ -629,7 +635,7 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
         p.activations = act.saved - act.weight_copies  # DeepSpeed casts the model itself: no autocast copies
         if stage == 3:
             p.buffers += 2 * w * max(spec.layer_params, max(numels))  # gathered block + the prefetched one
-        if tech.offload in ("optimizer", "all", "nvme"):
+        if tech.offload != "none":
             off = p.optimizer + (4 * psi / n if half else 0)
             p.optimizer, p.grads = 0.0, p.grads - (4 * psi / n if half else 0)
             if tech.offload == "nvme":
@@ -637,7 +643,7 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
                 p.host += 4 * psi / n  # pinned swap buffers, about one fp32 partition
             else:
                 p.host += off
-        if tech.offload in ("all", "nvme"):  # the weight partitions too; the device keeps the gathered blocks
+        if tech.offload_params:  # the weight partitions too; the device keeps the gathered blocks
             if tech.offload == "nvme":
                 p.nvme += p.weights
             else:
@@ -648,28 +654,28 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
     else:
         # Accelerate: fp32 weights, fp32 gradients, torch AdamW; autocast keeps 16-bit weight copies (in activations)
         p.trainable = psi
-        shard = n if tech.strategy == "fsdp" else 1
+        shard = n if tech.sharding == "fsdp" else 1
         p.weights = 4 * psi / shard
         p.grads = 4 * psi / shard
-        eight = tech.optimizer == "adamw8bit"
+        eight = tech.optimizer == "adamw_bnb_8bit"
         if tech.optimizer in TORCHAO_STATES:
             p.optimizer = torchao_adam_state_bytes(numels, tech.optimizer) / shard
         else:
             p.optimizer = adam_state_bytes(numels, eight_bit=eight) / shard
-        if tech.optimizer == "in_backward":  # each gradient is freed in its hook once its parameter has stepped
+        if tech.optimizer == "adamw_in_backward":  # each gradient is freed in its hook once its parameter has stepped
             p.grads = 4 * max(numels)
         p.activations = act.saved
-        if tech.strategy == "fsdp":
+        if tech.sharding == "fsdp":
             p.activations -= act.weight_copies  # FSDP's mixed precision gathers 16-bit blocks instead
             p.buffers += 2 * (2 if half else 4) * max(spec.layer_params, max(numels))
-        if tech.offload == "all":
+        if tech.offload_params:
             p.host += p.weights + p.grads + p.optimizer
             p.weights = p.grads = p.optimizer = 0.0
-        if tech.optimizer == "adamw" and tech.strategy == "ddp":
+        if tech.optimizer == "adamw" and tech.sharding == "ddp":
             # torch's AdamW on CUDA is the foreach kernel: it takes sqrt(exp_avg_sq) of all tensors at once
             # (one fp32 copy of the parameters); on CPU the per-tensor loop holds 2 copies of the largest tensor.
             p.buffers += 4 * psi if kernels == "cuda" else 8 * max(numels)
-        if tech.strategy == "ddp" and n > 1:
+        if tech.sharding == "ddp" and n > 1:
             p.buffers += min(4 * psi, 25 * MiB * 2)  # DDP's gradient buckets (25 MB)
     if tech.checkpointing:
         p.activations += act.layer  # one block recomputed at a time in backward
@@ -710,7 +716,7 @@ def fmt(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= 0.1 * GiB else f"{n / MiB:.1f} MiB"
 
 
-CONFIGS = Path(__file__).resolve().parents[1] / "accelerate_configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "accelerate_configs"  # shared/tools/ -> the checkout
 # What the user fills in a printed command: no default is right on another machine.
 PLACEHOLDERS = {
     "NVME_DIR": "a directory on a local NVMe drive (DeepSpeed writes its swap files there)",
@@ -736,14 +742,10 @@ def compat_run(tech: Technique, precision: str, num_processes: int, task: str = 
                ) -> rules.Run:
     """The technique as shared/core/rules.py's rule table describes a run: what the recipe would check at start-up
     (task and seq_len: for the rules that read them; the recipes' default packing, concat, for a causal LM)."""
-    sharding = tech.strategy if tech.strategy != "ddp" else ("ddp" if num_processes > 1 else "none")
-    return rules.Run(recipe=tech.recipe, sharding=sharding, launched=sharding,
-                      offload={"none": "none", "nvme": "nvme"}.get(tech.offload, "cpu"),
+    sharding = tech.sharding if tech.sharding != "ddp" else ("ddp" if num_processes > 1 else "none")
+    return rules.Run(recipe=tech.recipe, sharding=sharding, launched=sharding, offload=tech.offload,
                       num_processes=num_processes, precision="no" if precision == "fp32" else precision,
-                      base_weights="full" if tech.quant == "none" else tech.quant, lora=tech.quant != "none",
-                      dora=tech.dora,
-                      optimizer={"adamw8bit": "bnb_adamw_8bit", "in_backward": "adamw_in_backward"}.get(
-                          tech.optimizer, tech.optimizer),
+                      load_in=tech.load_in, lora=tech.load_in != "full", dora=tech.dora, optimizer=tech.optimizer,
                       task=task, seq_len=seq_len, packing="concat" if task == "causal-lm" else "none",
                       tensor_parallel_size=max(0, tech.tp))
 
@@ -778,7 +780,7 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
     rows = []
     for tech in TECHNIQUES:
         for precision in ([tech.precision] if tech.precision else ["fp32", "bf16"]):
-            if tech.strategy != "ddp" and args.num_gpus == 1 and tech.offload == "none":
+            if tech.sharding != "ddp" and args.num_gpus == 1 and tech.offload == "none":
                 continue  # sharding over one device divides nothing
             if tech.loss_chunk and spec.task != "causal-lm":
                 continue  # no vocabulary logits to chunk
@@ -862,7 +864,7 @@ def nearest_fits(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[str, P
         return "" if b == batch else f"--per_device_train_batch_size {b} instead of {batch}"
 
     kinds: list[tuple[str, Callable[[Technique], bool]]] = [
-        ("a smaller batch", lambda t: not t.checkpointing and t.offload == "none" and t.quant == "none"),
+        ("a smaller batch", lambda t: not t.checkpointing and t.offload == "none" and t.load_in == "full"),
         ("activation checkpointing", lambda t: t.checkpointing),
         ("offload", lambda t: t.offload != "none"),
     ]
@@ -880,7 +882,7 @@ def nearest_fits(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[str, P
         # One node grows with the GPUs; a multi-node job keeps its nodes' size and adds nodes.
         per_node = n if args.gpus_per_node == args.num_gpus else args.gpus_per_node
         found = _largest_batch(spec, argparse.Namespace(**{**vars(args), "num_gpus": n, "gpus_per_node": per_node}),
-                               lambda t: t.strategy != "ddp")
+                               lambda t: t.sharding != "ddp")
         if found and found[0].per_device_batch_size > best_batch:
             changed, pred = found
             words = f"{n} GPUs instead of {args.num_gpus} ({pred.technique.name})"

@@ -17,26 +17,22 @@ import sys
 from pathlib import Path
 
 from ..core.preflight import REPORT_LINE
+from ..core.rules import RECIPES
 from .plan import CPU_RUNTIME_BYTES, TECHNIQUES, Technique, compat_run, fmt, model_spec, predict
 
 
 def _technique(resolved: dict) -> Technique | None:
     """The planner's model of this run, if it has one: the technique of this recipe whose sharding and offload are
-    what the run resolved, and whose flags (e.g. --bits) the run has."""
+    what the run resolved, and whose flags (e.g. --load_in) the run has."""
     flags = resolved["flags"]
-    # Accumulating or data-parallel runs hold what the baseline holds for one micro-batch.
-    recipe = {"gradient_accumulation": "baseline", "data_parallel": "baseline"}.get(resolved["recipe"],
-                                                                                    resolved["recipe"])
-    launched = (resolved["sharding"], resolved["offload"])
+    recipe = RECIPES[resolved["recipe"]].plans_as or resolved["recipe"]  # e.g. accumulation: modelled as baseline
+    launched = (resolved["sharding"], resolved["offload"], resolved["offload_params"])
 
     def runs_as_launched(t: Technique) -> bool:
         run = compat_run(t, "fp32", resolved["num_processes"])
-        return (run.sharding, run.offload) == launched
+        return (run.sharding, run.offload, t.offload_params) == launched
 
     candidates = [t for t in TECHNIQUES if t.recipe == recipe and runs_as_launched(t)]
-    if launched == ("zero3", "cpu"):  # ZeRO-3 may offload the optimizer alone; the planner models both offloaded
-        param_offloaded = resolved["offload_param"] not in (None, "none")
-        candidates = [t for t in candidates if (t.offload == "all") == param_offloaded]
 
     def has_flags(t: Technique) -> bool:
         words, i = list(t.args), 0
