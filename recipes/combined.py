@@ -1,6 +1,6 @@
 """Techniques combined: sharding, offload and precision come from the launch config; activation checkpointing,
 an 8-bit optimizer, LoRA and int8 / 4-bit (NF4) base weights from flags. Which combinations train, and which are
-refused before training (with why), is measured by benchmarks/compat.py: docs/results/compat.md.
+refused before training (with why), is measured by benchmarks/compat_sweep.py: docs/results/compat.md.
 
     accelerate launch --config_file accelerate_configs/zero3.yaml recipes/combined.py --task causal-lm \
         --lora --gradient_checkpointing --mixed_precision bf16

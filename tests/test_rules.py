@@ -194,9 +194,10 @@ def test_check_built_refuses_with_the_reason_and_the_fix():
 
 
 def test_the_sweeps_quant_storage_follows_the_table():
-    """benchmarks/compat.py adds --bnb_4bit_quant_storage bfloat16 exactly where the table refuses uint8 packing."""
+    """benchmarks/compat_sweep.py adds --bnb_4bit_quant_storage bfloat16 exactly where the table refuses uint8
+    packing."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import compat
+    import compat_sweep as compat
 
     for sharding in compat.SHARDING:
         run = Run(recipe="combined", sharding=sharding, launched=sharding, num_processes=2, load_in="4bit",

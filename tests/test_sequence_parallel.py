@@ -40,7 +40,7 @@ def test_chunks_give_the_whole_sequence_loss_and_gradients_with_half_the_activat
     out = tmp_path / "sp.json"
     cmd, env = launch_command("sequence_parallel", tmp_path, config="multi_cpu.yaml")
     cmd = cmd[:cmd.index(str(ROOT / "recipes" / "sequence_parallel.py"))] + [
-        str(ROOT / "benchmarks" / "sequence_parallel.py"), "--seq_lens", "256", "1024", "--output", str(out)]
+        str(ROOT / "benchmarks" / "sp_activations.py"), "--seq_lens", "256", "1024", "--output", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     report = json.loads(out.read_text())
@@ -152,7 +152,7 @@ def _planned_saved_bytes(row: dict, report: dict) -> tuple[float, float]:
 
 def test_planner_predicts_the_measured_activations_per_process():
     """shared/tools/plan.py's sequence-parallel activations against the committed measurement (benchmarks/
-    sequence_parallel.py, docs/results/sequence_parallel.json), GPT-2 and Llama at 256 to 2048 tokens."""
+    sp_activations.py, docs/results/sequence_parallel.json), GPT-2 and Llama at 256 to 2048 tokens."""
     report = json.loads((ROOT / "docs" / "results" / "sequence_parallel.json").read_text())
     assert {r["seq_len"] for r in report["rows"]} == {256, 512, 1024, 2048}
     for r in report["rows"]:

@@ -2,9 +2,9 @@
 
 Every recipe builds a `Run` from its own flags and the launch it was started with, and `check(run)` refuses a
 combination before anything is loaded, naming the reason and a fix in the recipe's own flag names. Every rule was
-found by running the combination (benchmarks/compat.py, docs/results/compat.md; tests/test_compat.py sweeps every
-recipe against every file in accelerate_configs/): a refusal replaces a crash deep inside a library, or a run that
-would silently train something other than what was asked.
+found by running the combination (benchmarks/compat_sweep.py, docs/results/compat.md; tests/test_launch_grid.py
+sweeps every recipe against every file in accelerate_configs/): a refusal replaces a crash deep inside a library,
+or a run that would silently train something other than what was asked.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ RECIPES: dict[str, Support] = {
     "data_parallel": Support(compiles=True, instead=_SHARDED, plans_as="baseline", diff_budget=63),
     "optim_8bit": Support(instead="recipes/combined.py --optim adamw_bnb_8bit (ZeRO-1/2 without offload)",
                           diff_budget=55),
-    # torchao's optimizers train under DDP and FSDP2 (benchmarks/compat.py); ZeRO: see the rule below.
+    # torchao's optimizers train under DDP and FSDP2 (benchmarks/compat_sweep.py); ZeRO: see the rule below.
     "optim_low_bit": Support(shardings=(*_CLASSIC, "fsdp"), instead="accelerate_configs/multi_cpu.yaml (DDP), "
                              "fsdp.yaml or fsdp_offload.yaml (FSDP2)", diff_budget=54),
     "pruning": Support(instead=_ONE_OR_DDP, not_planned=_NOT_PLANNED["pruning"], diff_budget=148),
@@ -331,7 +331,7 @@ RULES: tuple[Rule, ...] = (
     Rule(lambda r: r.dora and not r.lora,
          lambda r: f"{r.flag('dora')} makes the LoRA adapters DoRA adapters, and {r.flag('lora')} trains none",
          lambda r: f"add {r.flag('lora')}, or drop {r.flag('dora')}"),
-    # Tried (benchmarks/compat.py, 2026-12-01): every ZeRO-3 cell of DoRA on a 4-bit base crashed in the first
+    # Tried (benchmarks/compat_sweep.py, 2026-12-01): every ZeRO-3 cell of DoRA on a 4-bit base crashed in the first
     # backward, with or without checkpointing and offload; LoRA on the same base trains there.
     Rule(lambda r: r.dora and r.load_in != "full" and r.sharding == "zero3",
          lambda r: f"{r.flag('dora')} on a {r.load_in.replace('bit', '-bit')} base under zero3: DeepSpeed's backward "

@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism (shared/techniques/ulysses.py) against the whole sequence in one process, per length.
 
-    accelerate launch --config_file accelerate_configs/multi_cpu.yaml benchmarks/sequence_parallel.py
-    ... benchmarks/sequence_parallel.py --seq_lens 256 1024 --output out.json   # the test's cheaper points
+    accelerate launch --config_file accelerate_configs/multi_cpu.yaml benchmarks/sp_activations.py
+    ... benchmarks/sp_activations.py --seq_lens 256 1024 --output out.json   # the test's cheaper points
 
 Each of the 2 processes builds the same model (GPT-2, and Llama with rotary positions and 2 key/value heads: width
 128, 4 heads, 2 blocks, vocabulary 1024, 2048 positions, no dropout) and the same batch, then, at each length:

@@ -3,10 +3,10 @@ base, DoRA on NF4, the chunked loss) x activation checkpointing x precision, eac
 through recipes/combined.py; and torchao's 8-bit, 4-bit and FP8 AdamW, through recipes/optim_low_bit.py, under every
 sharding + offload row.
 
-    python benchmarks/compat.py              # 229 combinations, ~90 min on 2 CPU cores (see default_cells)
-    python benchmarks/compat.py --all        # all 612
-    python benchmarks/compat.py --quick      # one cell per outcome, for the tests
-    python benchmarks/compat.py --only zero3 --only lora
+    python benchmarks/compat_sweep.py              # 229 combinations, ~90 min on 2 CPU cores (see default_cells)
+    python benchmarks/compat_sweep.py --all        # all 612
+    python benchmarks/compat_sweep.py --quick      # one cell per outcome, for the tests
+    python benchmarks/compat_sweep.py --only zero3 --only lora
 
 Each cell ends as one of
   works    trained 2 steps, and did what was asked: 2 processes, the sharding and offload asked for, the precision
@@ -249,7 +249,7 @@ def write_outputs(rows: list[dict], out_dir: Path, quick: bool, machine_note: st
     (out_dir / "compat.json").write_text(json.dumps(report, indent=1))
     counts = {s: sum(r["status"] == s for r in rows) for s in ("works", "refused", "broken")}
     lines = [f"# Compatibility matrix{' (quick)' if quick else ''}", "",
-             f"Made by `python benchmarks/compat.py` on {report['machine']}.",
+             f"Made by `python benchmarks/compat_sweep.py` on {report['machine']}.",
              "Every cell is a real run of recipes/combined.py (the ao- optimizers: recipes/optim_low_bit.py) in 2 "
              "processes (tiny GPT-2, built-in data, 2 steps). "
              "**works**: trained, with 2 processes, the sharding, offload and precision asked for (checked on the "

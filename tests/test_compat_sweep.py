@@ -1,4 +1,4 @@
-"""The compatibility matrix (benchmarks/compat.py): the committed table has no broken cell, and its cells come out
+"""The compatibility matrix (benchmarks/compat_sweep.py): the committed table has no broken cell, and its cells come out
 the same when run again."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_committed_matrix_has_no_broken_cell_and_every_refusal_names_a_fix():
 
 @pytest.mark.slow
 def test_quick_sweep_gives_the_committed_outcomes(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compat.py"), "--quick", "--output_dir",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compat_sweep.py"), "--quick", "--output_dir",
                            str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
