@@ -720,30 +720,44 @@ def summary(c: Copy) -> str:
     return "\n".join(lines)
 
 
-def copied_lines() -> dict[str, tuple[int, int]]:
-    """recipe -> (lines of its copied recipe file, lines of its copied recipe_core/), as the copy command writes them
-    (for the README's table of what a copy weighs)."""
+def copied_lines() -> dict[str, tuple[int, int, int]]:
+    """recipe -> lines of its copied recipe file, of the copied spine (recipe_core/ but its techniques/) and of the
+    copied technique modules, as the copy command writes them (the README's table of what a copy weighs)."""
     import tempfile
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:  # an empty DEST: nothing of a user's changes the plan
         for recipe in recipe_names():
             c = plan_copy(resolve_recipe(recipe), Path(tmp) / recipe)
-            core = sum(_lines(data) for rel, (data, _) in c.files.items() if rel.startswith(f"{VENDORED}/"))
-            out[recipe] = (_lines(c.files[f"{recipe}.py"][0]), core)
+            core = {rel: _lines(data) for rel, (data, _) in c.files.items() if rel.startswith(f"{VENDORED}/")}
+            techniques = sum(n for rel, n in core.items() if rel.startswith(f"{VENDORED}/techniques/"))
+            out[recipe] = (_lines(c.files[f"{recipe}.py"][0]), sum(core.values()) - techniques, techniques)
     return out
+
+
+def lines_table() -> str:
+    """The README's table of copied lines, as markdown."""
+    rows = ["| recipe | recipe | spine (`core/`) | techniques | in all |", "|---|---:|---:|---:|---:|"]
+    rows += [f"| `{r}` | {a} | {b} | {c} | {a + b + c} |" for r, (a, b, c) in copied_lines().items()]
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=COMMAND, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe", help=f"A recipe name ({', '.join(recipe_names()[:3])}, ...) or a recipe file.")
-    p.add_argument("dest", help="The folder to write (created if missing).")
+    p.add_argument("recipe", nargs="?", help=f"A recipe name ({', '.join(recipe_names()[:3])}, ...) or a recipe file.")
+    p.add_argument("dest", nargs="?", help="The folder to write (created if missing).")
+    p.add_argument("--lines", action="store_true", help="Print the lines each recipe's copy carries, and stop.")
     p.add_argument("--force", action="store_true",
                    help="Replace DEST/<recipe>.py and the files this command wrote before even if edited since; "
                         "each edited file is kept beside as FILE.orig. Without it an edited file stays as it is and "
                         "the fresh copy goes beside it as FILE.new.")
     args = p.parse_args(argv)
+    if args.lines:
+        print(lines_table())
+        return 0
+    if not (args.recipe and args.dest):
+        p.error("name a RECIPE and a DEST folder (or --lines)")
     print(summary(copy_recipe(args.recipe, args.dest, args.force)))
     return 0
 
