@@ -206,6 +206,20 @@ def test_copied_recipe_runs_outside_the_repository(tmp_path, recipe, config, pro
     _check_results(_run(dest, recipe, *extra, config=config), recipe, processes)
 
 
+def test_preflight_runs_in_a_copy(tmp_path):
+    """--preflight in a copy: the resolved run printed and saved, stopped before the first step, without the
+    planner's estimate (a repository tool the copy does not carry)."""
+    dest = _outside(tmp_path)
+    copy_recipe("baseline", dest)
+    proc = subprocess.run([sys.executable, "baseline.py", *SMALL, "--preflight", "--output_dir", "out"], cwd=dest,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_not_the_repo(proc.stdout + proc.stderr)
+    resolved = json.loads((dest / "out" / "preflight.json").read_text())
+    assert resolved["recipe"] == "baseline" and resolved["num_processes"] == 1 and "memory" not in resolved
+    assert "preflight report:" in proc.stdout and not (dest / "out" / "results.json").exists()
+
+
 def test_users_own_shared_and_utils_stay_untouched_and_unused(tmp_path):
     dest = _outside(tmp_path)
     mine = {  # a project that already has the names a recipe could collide with, here and one folder up
