@@ -40,7 +40,13 @@ from shared.techniques.deepspeed_setup import (
     patch_zero_step_to_count_states,
     schedule_the_optimizer_that_steps,
 )
-from shared.techniques.quant import COMPUTE_DTYPES, head_names, no_cpu_4bit_repacking, quantized_weight_bytes
+from shared.techniques.quant import (
+    COMPUTE_DTYPES,
+    checkpoint_trainable_only,
+    head_names,
+    no_cpu_4bit_repacking,
+    quantized_weight_bytes,
+)
 
 RECIPE = "combined"
 
@@ -141,6 +147,8 @@ def main(argv=None) -> dict:
     )
     if plugin is not None:
         schedule_the_optimizer_that_steps(model, scheduler)  # else, after a resume with offload, the LR freezes
+    if args.lora:  # checkpoints keep the adapters: a frozen (quantized) base is rebuilt from its source
+        checkpoint_trainable_only(accelerator, model)
     start_step, consumed = resume(accelerator, launch)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop

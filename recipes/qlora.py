@@ -37,6 +37,7 @@ from shared.core.tasks import load_task
 from shared.techniques.deepspeed_setup import gathered_parameters
 from shared.techniques.quant import (
     COMPUTE_DTYPES,
+    checkpoint_trainable_only,
     head_names,
     lora_grad_report,
     no_cpu_4bit_repacking,
@@ -153,6 +154,7 @@ def main(argv=None) -> dict:
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
+    checkpoint_trainable_only(accelerator, model)  # checkpoints keep the adapters; the base is rebuilt from base_dir
     start_step, consumed = resume(accelerator, launch)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
