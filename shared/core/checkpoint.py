@@ -23,8 +23,36 @@ MANIFEST = "manifest.json"
 STAGE_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt")  # in each rank_NNNNN/ of a per-process save
 
 
+# What a checkpoint records of the run that wrote it (trainer_state.json "run"): a resume that differs in one of
+# FIXED is refused, naming it (the data position, the model or the batch would no longer be the saved ones); one of
+# CHANGEABLE is applied (a lower learning rate after a loss spike, a longer schedule) and reported in results.json.
+FIXED = ("recipe", "task", "model_name_or_path", "model_preset", "train_file", "validation_file", "dataset_name",
+         "dataset_config_name", "train_dir", "max_train_samples", "max_seq_length", "packing", "seed",
+         "num_processes", "per_device_train_batch_size", "gradient_accumulation_steps")
+CHANGEABLE = ("learning_rate", "lr_scheduler_type", "num_warmup_steps", "weight_decay", "max_train_steps")
+
+
+def run_identity(launch: Launch, num_processes: int) -> dict[str, object]:
+    """The run's settings a checkpoint is only valid for (FIXED), and those a resume may change (CHANGEABLE)."""
+    resolved = {**vars(launch.args), **launch.resolved(), "num_processes": num_processes}
+    return {key: resolved.get(key) for key in FIXED + CHANGEABLE}
+
+
+def differences(saved: dict, current: dict, keys: tuple[str, ...]) -> dict[str, tuple]:
+    """key -> (saved, now), for the keys whose values differ; a checkpoint from before these records has none."""
+    return {k: (saved.get(k), current.get(k)) for k in keys if k in saved and saved.get(k) != current.get(k)}
+
+
 def checkpoints_root(output_dir: str) -> Path:
     return Path(output_dir) / "checkpoints"
+
+
+def _read_json(path: Path) -> object:
+    """The parsed file, or None where it cannot be read or parsed (damaged bytes, not UTF-8, not JSON)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
 
 
 def _sha256(path: Path) -> str:
@@ -46,42 +74,62 @@ def verify_checkpoint(directory: Path) -> str | None:
     manifest = directory / MANIFEST
     if not manifest.exists():
         return f"no {MANIFEST} (the save did not finish)"
-    try:
-        entries = json.loads(manifest.read_text())
-    except json.JSONDecodeError:
-        return f"{MANIFEST} is unreadable"
+    entries = _read_json(manifest)
+    # Trusted only as the checker expects it: a non-empty {file: {bytes, sha256}} naming the state file, every
+    # path inside the checkpoint. Anything else (random bytes, a list, an entry without its hash) is damage.
+    if not isinstance(entries, dict) or STATE_FILE not in entries:
+        return f"{MANIFEST} is damaged (not a manifest listing {STATE_FILE})"
     for name, meta in entries.items():
+        if not (isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and isinstance(meta.get("sha256"), str)):
+            return f"{MANIFEST} is damaged (its entry for {name!r} has no size and hash)"
         path = directory / name
-        if not path.exists():
+        if not path.resolve().is_relative_to(directory.resolve()):
+            return f"{MANIFEST} names a file outside the checkpoint ({name!r})"
+        if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != meta["bytes"]:
             return f"{name} has {path.stat().st_size} bytes, the manifest says {meta['bytes']}"
         if _sha256(path) != meta["sha256"]:
             return f"{name} does not match its sha256"
+    state = _read_json(directory / STATE_FILE)
+    if not (isinstance(state, dict) and isinstance(state.get("step"), int)
+            and isinstance(state.get("micro_batches"), int)):
+        return f"{STATE_FILE} is damaged (no step and data position)"
     return None
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, micro_batches: int, keep: int | None = None) -> Path:
-    """Model, optimizer, scheduler, scaler and RNG states (Accelerate), plus where the data stood.
+def saved_run(directory: Path) -> dict:
+    """The run a verified checkpoint records ({} for one written before checkpoints recorded it)."""
+    run = (_read_json(directory / STATE_FILE) or {}).get("run")
+    return run if isinstance(run, dict) else {}
+
+
+def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, keep: int | None = None,
+                    final: Path | None = None) -> Path:
+    """Model, optimizer, scheduler, scaler and RNG states (Accelerate), plus where the data stood and the run.
 
     Written under a temporary name, hashed into a manifest, then renamed: a run killed mid-save never leaves a
-    checkpoint that looks whole. `keep`: how many of the newest checkpoints to keep.
+    checkpoint that looks whole. `keep`: how many of this run's newest checkpoints to keep (another run's, in the
+    same directory, are never deleted). `final`: another place than checkpoints/step_N (the divergence guard's).
     """
-    root = checkpoints_root(output_dir)
-    final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
+    root = checkpoints_root(launch.output_dir)
+    final = final or root / f"step_{step:08d}"
+    tmp = final.with_name(f".tmp_{final.name}")
+    run = run_identity(launch, accelerator.num_processes)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "micro_batches": micro_batches}))
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "micro_batches": micro_batches, "run": run}))
         _write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         logger.info("saved checkpoint %s", final)
         if keep:
-            for old in sorted(root.glob("step_*"))[:-keep]:
+            ours = [p for p in sorted(root.glob("step_*")) if not differences(saved_run(p), run, FIXED)]
+            for old in ours[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
@@ -91,7 +139,7 @@ def maybe_save_checkpoint(accelerator, launch: Launch, step: int, micro_batches:
     """Every --checkpointing_steps optimizer steps, and at once after SIGTERM/SIGINT (then the run exits)."""
     args, signum = launch.args, launch.preemption.signal(accelerator.num_processes)
     if (args.checkpointing_steps and step % args.checkpointing_steps == 0) or signum:
-        path = save_checkpoint(accelerator, launch.output_dir, step, micro_batches, keep=args.save_total_limit)
+        path = save_checkpoint(accelerator, launch, step, micro_batches, keep=args.save_total_limit)
     if signum:
         name = signal.Signals(signum).name
         logger.warning("%s received: saved %s at step %d; continue with --resume_from_checkpoint latest",
@@ -100,16 +148,21 @@ def maybe_save_checkpoint(accelerator, launch: Launch, step: int, micro_batches:
         sys.exit(128 + signum)
 
 
-def find_checkpoint(launch: Launch) -> Path | None:
-    """The directory --resume_from_checkpoint names ('latest': the newest one that verifies)."""
+def find_checkpoint(launch: Launch, num_processes: int) -> Path | None:
+    """The directory --resume_from_checkpoint names ('latest': the newest one of this run that verifies; another
+    run's, in the same directory, with another seed, model, data or batch, is skipped with a warning)."""
     wanted, root = launch.args.resume_from_checkpoint, checkpoints_root(launch.output_dir)
     if not wanted:
         return None
     if wanted == "latest":
+        run = run_identity(launch, num_processes)
         for path in sorted(root.glob("step_*"), reverse=True):
             problem = verify_checkpoint(path)
             if problem is None:
-                return path
+                other = differences(saved_run(path), run, FIXED)
+                if not other:
+                    return path
+                problem = "another run's (" + ", ".join(f"{k} {a!r}, now {b!r}" for k, (a, b) in other.items()) + ")"
             logger.warning("skipping checkpoint %s: %s", path, problem)
         logger.warning("--resume_from_checkpoint latest: no complete checkpoint in %s; starting from scratch",
                        root)
@@ -125,16 +178,59 @@ def find_checkpoint(launch: Launch) -> Path | None:
     return path
 
 
+def _refuse_overwriting_another_run(launch: Launch, num_processes: int) -> None:
+    """A run that will write checkpoints into a folder that holds another run's would replace them step by step
+    (its step_N in place of theirs), and --save_total_limit would count theirs: refused before the first step."""
+    if not launch.args.checkpointing_steps:
+        return
+    run = run_identity(launch, num_processes)
+    for path in sorted(checkpoints_root(launch.output_dir).glob("step_*")):
+        other = differences(saved_run(path), run, FIXED) if verify_checkpoint(path) is None else {}
+        if other:
+            raise SystemExit(f"{checkpoints_root(launch.output_dir)} holds checkpoints of another run ({path.name}: " +
+                             ", ".join(f"{k} {a!r}, now {b!r}" for k, (a, b) in other.items()) + "), which this "
+                             "run's checkpoints would replace. Pass another --output_dir, or resume that run with its "
+                             "own settings and --resume_from_checkpoint latest.")
+
+
 def resume(accelerator, launch: Launch) -> tuple[int, int]:
-    """Load a checkpoint into the prepared objects; returns (optimizer steps done, micro-batches consumed)."""
-    path, steps = find_checkpoint(launch), launch.max_train_steps
+    """Load a checkpoint into the prepared objects; returns (optimizer steps done, micro-batches consumed).
+
+    A checkpoint of a run with other FIXED settings is refused before anything is loaded, naming them; a changed
+    learning rate or schedule is applied from the resumed step on, and held in launch.resume_changes."""
+    path, steps = find_checkpoint(launch, accelerator.num_processes), launch.max_train_steps
     if path is None:
+        _refuse_overwriting_another_run(launch, accelerator.num_processes)
         return 0, 0
     state = json.loads((path / STATE_FILE).read_text())
+    run, saved = run_identity(launch, accelerator.num_processes), saved_run(path)
+    fixed = differences(saved, run, FIXED)
+    if fixed:
+        raise SystemExit(f"{path} was written by another run: " + "; ".join(
+            f"--{k} was {a!r}, now {b!r}" for k, (a, b) in fixed.items()) + ". Resume with that run's settings, or "
+            "start afresh in another --output_dir (the data position, model or batch would not be the saved ones).")
     if steps and state["step"] >= steps:
         # Nothing would train: the run would end with no loss to report (train_loss None) and save the same model.
         raise SystemExit(f"{path} is at step {state['step']}, and this run has {steps} steps: nothing "
                          "is left to train. Raise --max_train_steps (or --num_train_epochs) to train on.")
     accelerator.load_state(str(path))
+    launch.resume_changes = differences(saved, run, CHANGEABLE)
+    if "learning_rate" in launch.resume_changes:
+        # The scheduler's state brought back the old peak learning rate (base_lrs): the new one applies from here,
+        # on the schedule the flags now give (transformers' schedules are LambdaLRs of the step).
+        # Accelerate keeps the prepared schedulers in _schedulers and has no public accessor for them.
+        if not accelerator._schedulers:  # a recipe that checkpoints its own (pipeline stages)
+            raise SystemExit(f"--learning_rate {launch.learning_rate:g}: {path} was trained at "
+                             f"{launch.resume_changes['learning_rate'][0]:g}, and recipes/{launch.recipe}.py keeps its "
+                             "schedulers apart from Accelerate's, so a new rate cannot be applied on resume. Resume "
+                             "with the old --learning_rate.")
+        for wrapper in accelerator._schedulers:
+            inner = getattr(wrapper, "scheduler", wrapper)
+            inner.base_lrs = [launch.learning_rate] * len(inner.base_lrs)
+            for group, lam in zip(inner.optimizer.param_groups, inner.lr_lambdas, strict=True):
+                group["initial_lr"], group["lr"] = launch.learning_rate, launch.learning_rate * lam(inner.last_epoch)
+    if launch.resume_changes:
+        logger.warning("resumed %s with changed settings (applied from step %d): %s", path, state["step"],
+                       launch.resume_changes)
     logger.info("resumed from %s at step %d", path, state["step"])
     return state["step"], state["micro_batches"]

@@ -19,6 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .checkpoint import save_checkpoint
+
 if TYPE_CHECKING:
     from .meter import Meter
 
@@ -67,8 +69,11 @@ class DivergenceGuard:
                 "--max_grad_norm on, and check the data for bad values")
 
     def _stop(self, step: int, reason: str) -> None:
-        acc = self.meter.accelerator
-        path = Path(self.meter.launch.output_dir) / f"diverged_step_{step:08d}"
-        acc.save_state(str(path))
+        acc, launch = self.meter.accelerator, self.meter.launch
+        path = Path(launch.output_dir) / f"diverged_step_{step:08d}"
+        # A checkpoint like the others (manifest, step, data position), outside checkpoints/ so `latest` never takes
+        # it: loadable to inspect with --resume_from_checkpoint <path> (and, say, a lower --learning_rate).
+        save_checkpoint(acc, launch, step, micro_batches=step * launch.gradient_accumulation_steps, final=path)
         acc.end_training()
-        raise SystemExit(f"Stopped: {reason}. The training state at step {step} is saved in {path}.")
+        raise SystemExit(f"Stopped: {reason}. The training state at step {step} is saved in {path}: "
+                         f"--resume_from_checkpoint {path} loads it.")

@@ -72,6 +72,7 @@ def collect_results(accelerator, launch: Launch, task, meter, metrics: dict, ext
                   for k, v in sorted(vars(args).items()) if k != "explicit_flags"},  # as parsed, defaults too
         "explicit_flags": sorted(getattr(args, "explicit_flags", ())),  # what was typed
         "resolved": launch.resolved(),  # what ran
+        "resume_changes": launch.resume_changes,  # what a resume changed from the checkpoint's run, applied
         **measured,
         **flops,  # model FLOPs per token and MFU (shared/core/flops.py); MFU only on a GPU in its peak table
         **metrics,
