@@ -27,11 +27,12 @@ from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
 from shared.core.launch import entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
-from shared.core.optim import compile_each_shard_apart, optimizer_and_scheduler, total_steps
+from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.rules import offload_of, sharding_of
 from shared.core.tasks import load_task
+from shared.techniques.optim_low_bit import compile_each_shard_apart
 from shared.techniques.probes import quantized_state_counts
 
 RECIPE = "optim_low_bit"
@@ -66,7 +67,7 @@ def main(argv=None) -> dict:
     else:
         import torchao.optim as library
         if launch.run.sharding == "fsdp":
-            compile_each_shard_apart()  # else a rank may run the other's cached step graph (shared/core/optim.py)
+            compile_each_shard_apart()  # else a rank may run the other's cached step graph
     task = load_task(launch, accelerator)
     max_steps = total_steps(launch, accelerator, task.train_dataloader)
     # The technique: a low-bit AdamW, same hyperparameters and parameter groups as torch AdamW.

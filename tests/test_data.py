@@ -11,10 +11,29 @@ import pytest
 import torch
 
 from shared.core import data, packing
+from shared.core.args import PACKING
 from shared.core.tasks import Task
 from tests.conftest import load_params, max_param_diff, run_recipe
 
 VOCAB = "the cat dog ran to a red blue house and field one two three fox owl river road garden".split()
+
+
+def review_pairs_dataset(n: int, seed: int) -> dict[str, list]:
+    """Sentence pairs from the built-in reviews' words: three sentiment clauses split into two sentences (1 + 2 or
+    2 + 1 clauses); the label is the polarity most of the three hold. sentence1 alone decides it 3 times in 4 at
+    best; the pair, always."""
+    rng = random.Random(seed)
+    first, second, labels = [], [], []
+    for _ in range(n):
+        polarities = [rng.randint(0, 1) for _ in range(3)]
+        clauses = [f"{rng.choice(data._FILLER)} {rng.choice(data._NOUNS)} was "
+                   f"{rng.choice(data._POSITIVE if p else data._NEGATIVE)}" for p in polarities]
+        cut = rng.randint(1, 2)
+        first.append(" and ".join(clauses[:cut]))
+        second.append(" and ".join(clauses[cut:]))
+        labels.append(int(sum(polarities) >= 2))
+    return {"sentence1": first, "sentence2": second, "label": labels}
+
 
 
 def _long_lines(path, lines: int, words: int, seed: int):
@@ -63,7 +82,7 @@ def test_packing_keeps_the_tokens_of_long_lines(tmp_path, caplog):
 def test_builtin_data_packs_without_padding(tmp_path):
     """The built-in stories, short lines: per line, batches are largely padding; packed, none."""
     common = ["--task", "causal-lm", "--max_train_steps", 2, "--no_save_model", "--max_eval_samples", 16]
-    runs = {m: run_recipe("baseline", tmp_path / m, *common, "--packing", m) for m in packing.MODES}
+    runs = {m: run_recipe("baseline", tmp_path / m, *common, "--packing", m) for m in PACKING}
     for mode, r in runs.items():
         print(f"built-in stories, --packing {mode}: {r['train_examples']} samples, {r['train_target_tokens']} target "
               f"tokens, padding {r['padding_fraction']}, left out {r['dropped_token_fraction']}")
@@ -172,7 +191,7 @@ def test_too_little_text_for_one_block(tmp_path):
 def _pairs_csv(path, n: int, seed: int):
     import pandas as pd
 
-    pd.DataFrame(data.review_pairs_dataset(n, seed)).to_csv(path, index=False)
+    pd.DataFrame(review_pairs_dataset(n, seed)).to_csv(path, index=False)
     return path
 
 

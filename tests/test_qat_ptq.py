@@ -72,7 +72,7 @@ def run_recipe_ptq(model_dir, out):
 
 
 def test_ptq_needs_a_trained_model(tmp_path):
-    with pytest.raises(SystemExit, match="pass --model_name_or_path"):
+    with pytest.raises(SystemExit, match="no --model_name_or_path was passed.*Fix: Pass --model_name_or_path"):
         load_recipe("ptq").main(["--output_dir", str(tmp_path)])
 
 

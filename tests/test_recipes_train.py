@@ -3,7 +3,12 @@
 import pytest
 from transformers import AutoConfig
 
-from shared.core.results import REQUIRED_FIELDS
+# The results.json fields every recipe writes (shared/core/results.py).
+REQUIRED_FIELDS = (
+    "recipe", "task", "model", "num_processes", "mixed_precision", "distributed_type", "train_loss",
+    "train_samples_per_second", "train_tokens_per_second", "peak_memory_bytes", "param_bytes", "grad_bytes",
+    "optimizer_state_bytes",
+)
 from tests.conftest import run_recipe
 
 RECIPES = ["baseline", "mixed_precision", "gradient_accumulation", "activation_checkpointing"]

@@ -55,6 +55,8 @@ BAD_INPUTS = {
                                                                                        "of the model",
     ("shared/techniques/tensor_parallel.py", "load_hook", " has no mesh.json"): "a checkpoint no DTensor run wrote",
     ("shared/techniques/tensor_parallel.py", "load_hook", " was saved on the mesh "): "a checkpoint of another mesh",
+    ("shared/techniques/quant.py", "load_hook", " was not trained on this base model"): "adapters of another base",
+    ("shared/techniques/quant.py", "load_hook", " holds other trainable parameters"): "adapters of another shape",
 }
 
 

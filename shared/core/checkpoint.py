@@ -23,9 +23,8 @@ MANIFEST = "manifest.json"
 STAGE_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt")  # in each rank_NNNNN/ of a per-process save
 
 
-# What a checkpoint records of the run that wrote it (trainer_state.json "run"): a resume that differs in one of
-# FIXED is refused, naming it (the data position, the model or the batch would no longer be the saved ones); one of
-# CHANGEABLE is applied (a lower learning rate after a loss spike, a longer schedule) and reported in results.json.
+# A checkpoint records its run (trainer_state.json "run"). A resume that changes one of FIXED is refused, naming it
+# (the data position, model or batch would not be the saved ones); one of CHANGEABLE is applied and reported.
 FIXED = ("recipe", "task", "model_name_or_path", "model_preset", "train_file", "validation_file", "dataset_name",
          "dataset_config_name", "train_dir", "max_train_samples", "max_seq_length", "packing", "seed",
          "num_processes", "per_device_train_batch_size", "gradient_accumulation_steps")

@@ -39,22 +39,6 @@ def sentiment_dataset(n: int, seed: int) -> dict[str, list]:
     return {"text": texts, "label": labels}
 
 
-def review_pairs_dataset(n: int, seed: int) -> dict[str, list]:
-    """Reviews of three sentiment clauses split into two sentences (1 + 2 or 2 + 1 clauses); the label is the
-    polarity most of the three hold. sentence1 alone decides it 3 times in 4 at best; the pair, always."""
-    rng = random.Random(seed)
-    first, second, labels = [], [], []
-    for _ in range(n):
-        polarities = [rng.randint(0, 1) for _ in range(3)]
-        clauses = [f"{rng.choice(_FILLER)} {rng.choice(_NOUNS)} was {rng.choice(_POSITIVE if p else _NEGATIVE)}"
-                   for p in polarities]
-        cut = rng.randint(1, 2)
-        first.append(" and ".join(clauses[:cut]))
-        second.append(" and ".join(clauses[cut:]))
-        labels.append(int(sum(polarities) >= 2))
-    return {"sentence1": first, "sentence2": second, "label": labels}
-
-
 def story_dataset(n: int, seed: int) -> dict[str, list]:
     """Lines of 1 to 4 templated sentences and counting runs: a causal LM's perplexity falls far below chance."""
     rng = random.Random(seed)

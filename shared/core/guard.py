@@ -10,8 +10,8 @@ after `meter.record(step, ...)` (after optimizer.step(), before zero_grad), look
 - fp16: an inf loss is an overflow that the scaler skips; what stops the run is the scale collapsing below
   MIN_LOSS_SCALE, or most of the last MOST_SKIPPED_WINDOW steps being skipped: fp16's range is too narrow. It is
   checked every step: Accelerate reads the scale on the host at every fp16 step already (to tell a skipped step).
-On a stop, accelerator.save_state writes the whole training state as it is after step N's update (model, optimizer,
-scheduler, scaler, RNG) to <output_dir>/diverged_step_N, N = optimizer steps taken, and SystemExit says why.
+On a stop, the training state after step N's update is saved as a checkpoint in <output_dir>/diverged_step_N
+(loadable with --resume_from_checkpoint), and SystemExit says why.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from . import quiet, rules
 from .args import FROM_SCRATCH_LR, PRETRAINED_LR
 from .fsdp_cpu import force_fsdp_on_cpu
-from .preemption import Preemption
 
 logger = logging.getLogger("recipes")
 
@@ -66,11 +66,6 @@ def has_accelerator() -> bool:
     return torch.accelerator.is_available()
 
 
-def launched_world_size() -> int:
-    """Processes started by `accelerate launch` / torchrun (1 under plain `python`)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def resolve_mixed_precision(args: argparse.Namespace, recipe_default: str) -> str:
     """The flag wins, then the accelerate config (which `accelerate launch` passes as an env var), then the recipe."""
     if args.mixed_precision:
@@ -106,6 +101,42 @@ def build_dynamo_plugin(compile_mode: str) -> TorchDynamoPlugin:
     # inductor: torch's default compiler (C++/OpenMP on CPU, Triton on GPU). Regional: the repeated blocks compile
     # once and the other copies reuse the code, so the cold start costs one block, not the whole depth.
     return TorchDynamoPlugin(backend="inductor", use_regional_compilation=compile_mode == "regional")
+
+
+class Preemption:
+    """SIGTERM (a scheduler's preemption) and SIGINT: the handler notes the signal, and the next step boundary saves
+    and exits (a second SIGINT interrupts at once, as usual). With several processes, all act on the signal they
+    agreed on in the meter's logging collective (Meter.record calls `agree`), so every one saves at the same step.
+    The run's one instance is `launch.preemption` (installed by start_run)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.local = 0  # the signal this process received (0: none)
+        self.agreed = 0  # the signal the processes agreed on at the meter's last logging step
+
+    def install(self) -> None:
+        def handler(signum, _frame):
+            if signum == signal.SIGINT and self.local:
+                raise KeyboardInterrupt
+            self.local = self.local or signum
+
+        for signum in self.SIGNALS:
+            signal.signal(signum, handler)
+
+    def received(self) -> list[float]:
+        """This process's vote, one per SIGNALS, for the meter's logging collective."""
+        return [float(self.local == s) for s in self.SIGNALS]
+
+    def agree(self, counts: list[float]) -> None:
+        """The collective's result: how many processes received each of SIGNALS."""
+        self.agreed = next((int(s) for s, n in zip(self.SIGNALS, counts, strict=True) if n), 0)
+
+    def signal(self, num_processes: int) -> int:
+        """The signal to act on now (0 if none). One process acts at once; several at the next logging step, so a
+        step that does not log waits on no collective and no host read for it: keep --logging_steps x the step time
+        under the scheduler's grace period."""
+        return self.local if num_processes == 1 else self.agreed
 
 
 @dataclass

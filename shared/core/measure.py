@@ -1,6 +1,5 @@
-"""Measuring functions: bytes on live tensors, peak memory per process, the dtype a layer really computed in and
-what was compiled. Pure functions, no state: the loop's Meter (shared/core/meter.py) calls them, and so do tests and
-benchmarks."""
+"""Measuring functions, without state: bytes on live tensors, peak memory per process, the dtype a layer really
+computed in, what was compiled. The loop's Meter calls them, and so do tests and benchmarks."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Causal-LM samples from documents: packed into blocks of --max_seq_length (as Transformers' run_clm does), with the
-documents optionally kept apart inside a block, or one document per sample (the old per-line mode).
+"""Causal-LM samples from documents, by --packing:
 
-    concat        documents joined, EOS between them, cut into blocks; a block may span documents (run_clm)
+    concat        documents joined, EOS between them, cut into --max_seq_length blocks (Transformers' run_clm)
     per_document  the same blocks, but no token attends to or predicts across a document boundary
     none          one document per sample, padded per batch and cut at --max_seq_length
 """
@@ -11,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-MODES = ("concat", "per_document", "none")
 MAP_BATCH = 1000  # documents per datasets.map call; each call drops (train) or pads (eval) its own last block
 
 

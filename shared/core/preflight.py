@@ -1,11 +1,6 @@
-"""--preflight: a run's resolved configuration, checked against this machine, without training.
-
-The recipe parses its flags, builds the Accelerator (every start-up check of shared/core/launch.py runs), loads data
-and model, and prepares them (DeepSpeed fills its "auto" values there), then this prints the resolved configuration,
-writes preflight.json in the output directory and stops before the first step. The planner's memory estimate for the
-same run is a tool of the repository, never of the training path: `python -m shared.tools.preflight` runs this and
-adds it (shared/tools/preflight.py).
-"""
+"""--preflight: the run as resolved (every start-up check run, data and model loaded and prepared, DeepSpeed's "auto"
+values filled), printed and saved to preflight.json, stopped before the first step. The planner's memory estimate
+is the repository's tool, never on the training path: `python -m shared.tools.preflight` runs this and adds it."""
 
 from __future__ import annotations
 

@@ -17,12 +17,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("recipes")
 
-REQUIRED_FIELDS = (
-    "recipe", "task", "model", "num_processes", "mixed_precision", "distributed_type", "train_loss",
-    "train_samples_per_second", "train_tokens_per_second", "peak_memory_bytes", "param_bytes", "grad_bytes",
-    "optimizer_state_bytes",
-)
-
 
 def finish(accelerator, launch: Launch, task, model: torch.nn.Module, eval_dataloader, meter,
            extras: dict | None = None, save: bool = True) -> dict:
