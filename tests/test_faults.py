@@ -69,11 +69,11 @@ def test_another_runs_checkpoints_are_never_resumed_deleted_or_replaced(saved, t
     out = tmp_path / "run"
     shutil.copytree(saved, out)
     before = {p.name: (p / "model.safetensors").read_bytes() for p in (out / "checkpoints").glob("step_*")}
-    with pytest.raises(SystemExit, match=r"holds checkpoints of another run \(step_\d+: seed 42, now 7\)"):
+    with pytest.raises(SystemExit, match=r"holds checkpoints of another run \(step_\d+: --seed was 42, now 7\)"):
         run_recipe("baseline", out, *FOUR, "--seed", 7, "--save_total_limit", 1)
     with caplog.at_level("WARNING", logger="recipes"), pytest.raises(SystemExit, match="another run"):
         run_recipe("baseline", out, *FOUR, "--seed", 7, "--resume_from_checkpoint", "latest")
-    assert "another run's (seed 42, now 7)" in caplog.text
+    assert "another run's (--seed was 42, now 7)" in caplog.text
     assert {p.name: (p / "model.safetensors").read_bytes() for p in (out / "checkpoints").glob("step_*")} == before
 
 

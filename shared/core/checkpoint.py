@@ -42,6 +42,10 @@ def differences(saved: dict, current: dict, keys: tuple[str, ...]) -> dict[str, 
     return {k: (saved.get(k), current.get(k)) for k in keys if k in saved and saved.get(k) != current.get(k)}
 
 
+def _described(diffs: dict[str, tuple]) -> str:  # the differences, in the user's own flags
+    return ", ".join(f"--{k} was {a!r}, now {b!r}" for k, (a, b) in diffs.items())
+
+
 def checkpoints_root(output_dir: str) -> Path:
     return Path(output_dir) / "checkpoints"
 
@@ -161,7 +165,7 @@ def find_checkpoint(launch: Launch, num_processes: int) -> Path | None:
                 other = differences(saved_run(path), run, FIXED)
                 if not other:
                     return path
-                problem = "another run's (" + ", ".join(f"{k} {a!r}, now {b!r}" for k, (a, b) in other.items()) + ")"
+                problem = f"another run's ({_described(other)})"
             logger.warning("skipping checkpoint %s: %s", path, problem)
         logger.warning("--resume_from_checkpoint latest: no complete checkpoint in %s; starting from scratch",
                        root)
@@ -186,10 +190,9 @@ def _refuse_overwriting_another_run(launch: Launch, num_processes: int) -> None:
     for path in sorted(checkpoints_root(launch.output_dir).glob("step_*")):
         other = differences(saved_run(path), run, FIXED) if verify_checkpoint(path) is None else {}
         if other:
-            raise SystemExit(f"{checkpoints_root(launch.output_dir)} holds checkpoints of another run ({path.name}: " +
-                             ", ".join(f"{k} {a!r}, now {b!r}" for k, (a, b) in other.items()) + "), which this "
-                             "run's checkpoints would replace. Pass another --output_dir, or resume that run with its "
-                             "own settings and --resume_from_checkpoint latest.")
+            raise SystemExit(f"{path.parent} holds checkpoints of another run ({path.name}: {_described(other)}), "
+                             "which this run's checkpoints would replace. Pass another --output_dir, or resume that "
+                             "run with its own settings and --resume_from_checkpoint latest.")
 
 
 def resume(accelerator, launch: Launch) -> tuple[int, int]:
@@ -205,24 +208,23 @@ def resume(accelerator, launch: Launch) -> tuple[int, int]:
     run, saved = run_identity(launch, accelerator.num_processes), saved_run(path)
     fixed = differences(saved, run, FIXED)
     if fixed:
-        raise SystemExit(f"{path} was written by another run: " + "; ".join(
-            f"--{k} was {a!r}, now {b!r}" for k, (a, b) in fixed.items()) + ". Resume with that run's settings, or "
-            "start afresh in another --output_dir (the data position, model or batch would not be the saved ones).")
+        raise SystemExit(f"{path} was written by another run: {_described(fixed)}. Resume with that run's settings, or "
+                         "start afresh in another --output_dir (the data position, model or batch would differ).")
     if steps and state["step"] >= steps:
         # Nothing would train: the run would end with no loss to report (train_loss None) and save the same model.
         raise SystemExit(f"{path} is at step {state['step']}, and this run has {steps} steps: nothing "
                          "is left to train. Raise --max_train_steps (or --num_train_epochs) to train on.")
+    changes = differences(saved, run, CHANGEABLE)
+    # A recipe that checkpoints its own schedulers (pipeline stages) cannot take a new rate: refused before loading.
+    if "learning_rate" in changes and not accelerator._schedulers:  # Accelerate has no public accessor for them
+        raise SystemExit(f"--learning_rate {launch.learning_rate:g}: {path} was trained at "
+                         f"{changes['learning_rate'][0]:g}, and recipes/{launch.recipe}.py keeps its schedulers apart "
+                         "from Accelerate's, so a new rate cannot be applied on resume. Resume with the old one.")
     accelerator.load_state(str(path))
-    launch.resume_changes = differences(saved, run, CHANGEABLE)
-    if "learning_rate" in launch.resume_changes:
+    launch.resume_changes = changes
+    if "learning_rate" in changes:
         # The scheduler's state brought back the old peak learning rate (base_lrs): the new one applies from here,
         # on the schedule the flags now give (transformers' schedules are LambdaLRs of the step).
-        # Accelerate keeps the prepared schedulers in _schedulers and has no public accessor for them.
-        if not accelerator._schedulers:  # a recipe that checkpoints its own (pipeline stages)
-            raise SystemExit(f"--learning_rate {launch.learning_rate:g}: {path} was trained at "
-                             f"{launch.resume_changes['learning_rate'][0]:g}, and recipes/{launch.recipe}.py keeps its "
-                             "schedulers apart from Accelerate's, so a new rate cannot be applied on resume. Resume "
-                             "with the old --learning_rate.")
         for wrapper in accelerator._schedulers:
             inner = getattr(wrapper, "scheduler", wrapper)
             inner.base_lrs = [launch.learning_rate] * len(inner.base_lrs)
