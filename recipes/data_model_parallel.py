@@ -163,10 +163,11 @@ def main(argv=None) -> dict:
               "stage_param_count": gather_object([sum(p.numel() for p in stage.parameters())]),
               "max_param_diff_between_replicas": spread.item()}
     last = int(mesh.mesh[dp_rank, -1])
-    metrics = evaluate(task, schedule, stage, eval_dl, item_count, last, pp_group=pp_group, dp_group=dp_group)
-    results = collect_results(accelerator, launch, task, meter, metrics, extras)
+    meter.summary()  # measured before the save, which comes first: an interrupted evaluation leaves the model
     if not args.no_save_model:  # one replica saves: they are identical
         save_stage_shards(accelerator, launch.output_dir, task, stage, pp_rank, stages, tied, write=dp_rank == 0)
+    metrics = evaluate(task, schedule, stage, eval_dl, item_count, last, pp_group=pp_group, dp_group=dp_group)
+    results = collect_results(accelerator, launch, task, meter, metrics, extras)
     return write_results(accelerator, launch, results)
 
 

@@ -142,14 +142,15 @@ def main(argv=None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
 
+    meter.summary()  # measured before the save, which comes first: an interrupted evaluation leaves the model
+    if not args.no_save_model:
+        save_stage_shards(accelerator, launch.output_dir, task, stage, rank, world, tied)
     metrics = evaluate(task, schedule, stage, eval_dl, item_count, last_rank=world - 1)
     params = gather_object([sum(p.numel() for p in stage.parameters())])
     extras = {"schedule": args.schedule, "n_microbatches": args.n_microbatches,
               "stage_layers": gather_object([[layers.start, layers.stop]]), "stage_param_count": params,
               "tied_weight_copies": 2 if tied is not None else 0}
     results = collect_results(accelerator, launch, task, meter, metrics, extras)
-    if not args.no_save_model:
-        save_stage_shards(accelerator, launch.output_dir, task, stage, rank, world, tied)
     return write_results(accelerator, launch, results)
 
 

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from shared.core.rundir import FINISHED
 from tests.conftest import load_params, max_param_diff, run_recipe
 
 FOUR = ["--max_train_steps", 4, "--checkpointing_steps", 2, "--max_train_samples", 64, "--max_eval_samples", 16]
@@ -68,6 +69,8 @@ def test_another_runs_checkpoints_are_never_resumed_deleted_or_replaced(saved, t
     checkpoints. It is refused before its first step; `latest` skips the old run's, naming the difference."""
     out = tmp_path / "run"
     shutil.copytree(saved, out)
+    for name in FINISHED:  # its checkpoints only, as a preempted run leaves them (a finished run: test_run_lifecycle)
+        (out / name).unlink(missing_ok=True)
     before = {p.name: (p / "model.safetensors").read_bytes() for p in (out / "checkpoints").glob("step_*")}
     with pytest.raises(SystemExit, match=r"holds checkpoints of another run \(step_\d+: --seed was 42, now 7\)"):
         run_recipe("baseline", out, *FOUR, "--seed", 7, "--save_total_limit", 1)

@@ -177,6 +177,8 @@ def parse_args(
 
     g = p.add_argument_group("output")
     g.add_argument("--output_dir", default=None, help="Default: outputs/<recipe>-<task>.")
+    g.add_argument("--overwrite_output_dir", action="store_true",
+                   help="Replace the finished run in --output_dir (its files are removed first).")
     g.add_argument("--checkpointing_steps", type=STEPS, default=None, help="Save a resumable checkpoint every N steps.")
     g.add_argument("--save_total_limit", type=COUNT, default=None, help="Keep only the newest N checkpoints.")
     g.add_argument("--resume_from_checkpoint", default=None, help="A checkpoint directory, or 'latest' in output_dir.")

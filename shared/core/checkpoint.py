@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import rundir
+
 if TYPE_CHECKING:
     from .launch import Launch
 
@@ -119,14 +121,27 @@ def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, 
     final = final or root / f"step_{step:08d}"
     tmp = final.with_name(f".tmp_{final.name}")
     run = run_identity(launch, accelerator.num_processes)
+    ours = [p for p in sorted(root.glob("step_*")) if not differences(saved_run(p), run, FIXED)]
+    then = "this run's earlier checkpoints are intact (--resume_from_checkpoint latest continues from the newest)."
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
+        if ours:  # the last one's size: what this one needs, checked before writing a byte
+            last = _read_json(ours[-1] / MANIFEST) or {}
+            rundir.check_room(root, sum(m.get("bytes", 0) for m in last.values()), f"checkpoint {final.name}", then)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            (tmp / STATE_FILE).write_text(json.dumps({"step": step, "micro_batches": micro_batches, "run": run}))
+            _write_manifest(tmp)
+    except Exception as err:
+        full = rundir.disk_full(err, root, f"checkpoint {final.name}", then)
+        shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
+        if full:
+            raise full from err
+        raise
     if accelerator.is_main_process:
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "micro_batches": micro_batches, "run": run}))
-        _write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         logger.info("saved checkpoint %s", final)
@@ -139,11 +154,16 @@ def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, 
 
 
 def maybe_save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int) -> None:
-    """Every --checkpointing_steps optimizer steps, and at once after SIGTERM/SIGINT (then the run exits)."""
+    """Every --checkpointing_steps optimizer steps and at the last, and at once after SIGTERM/SIGINT: then the run
+    exits with 128 + the signal, unless the step was its last, when it finishes (the model, evaluation, results)."""
     args, signum = launch.args, launch.preemption.signal(accelerator.num_processes)
-    if (args.checkpointing_steps and step % args.checkpointing_steps == 0) or signum:
+    last = step == launch.max_train_steps
+    if (args.checkpointing_steps and (step % args.checkpointing_steps == 0 or last)) or (signum and not last):
         path = save_checkpoint(accelerator, launch, step, micro_batches, keep=args.save_total_limit)
-    if signum:
+    if signum and last:
+        logger.warning("%s received at the last step: finishing the run (the model first, then the evaluation)",
+                       signal.Signals(signum).name)
+    elif signum:
         name = signal.Signals(signum).name
         logger.warning("%s received: saved %s at step %d; continue with --resume_from_checkpoint latest",
                        name, path, step)
@@ -201,6 +221,10 @@ def resume(accelerator, launch: Launch) -> tuple[int, int]:
     A checkpoint of a run with other FIXED settings is refused before anything is loaded, naming them; a changed
     learning rate or schedule is applied from the resumed step on, and held in launch.resume_changes."""
     path, steps = find_checkpoint(launch, accelerator.num_processes), launch.max_train_steps
+    if accelerator.is_main_process and not launch.args.no_save_model:  # the final model's room, before any step
+        params = [p for m in accelerator._models for p in m.parameters()]
+        needed = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params)  # ZeRO-3: its full size
+        rundir.check_room(Path(launch.output_dir), needed, "the final model", "nothing has trained yet.")
     if path is None:
         _refuse_overwriting_another_run(launch, accelerator.num_processes)
         return 0, 0
@@ -210,10 +234,12 @@ def resume(accelerator, launch: Launch) -> tuple[int, int]:
     if fixed:
         raise SystemExit(f"{path} was written by another run: {_described(fixed)}. Resume with that run's settings, or "
                          "start afresh in another --output_dir (the data position, model or batch would differ).")
-    if steps and state["step"] >= steps:
-        # Nothing would train: the run would end with no loss to report (train_loss None) and save the same model.
-        raise SystemExit(f"{path} is at step {state['step']}, and this run has {steps} steps: nothing "
-                         "is left to train. Raise --max_train_steps (or --num_train_epochs) to train on.")
+    if steps and state["step"] > steps:
+        raise SystemExit(f"{path} is at step {state['step']}, past this run's {steps} steps. Pass "
+                         f"--max_train_steps {state['step']} or more (or --num_train_epochs) to train on.")
+    if state["step"] == steps:  # a run stopped after its last step (killed in its final save or evaluation)
+        logger.warning("%s is at the last step (%d): nothing to train; the model, evaluation and results are written "
+                       "from it", path, steps)
     changes = differences(saved, run, CHANGEABLE)
     # A recipe that checkpoints its own schedulers (pipeline stages) cannot take a new rate: refused before loading.
     if "learning_rate" in changes and not accelerator._schedulers:  # Accelerate has no public accessor for them

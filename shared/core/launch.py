@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, TorchDynamoPlugin, set_seed
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from . import quiet, rules
+from . import quiet, rules, rundir
 from .args import FROM_SCRATCH_LR, PRETRAINED_LR
 from .fsdp_cpu import force_fsdp_on_cpu
 
@@ -36,15 +37,17 @@ def entrypoint(main: Callable[..., dict | None]) -> Callable[..., dict | None]:
     @functools.wraps(main)
     def run(argv: list[str] | None = None) -> dict | None:
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torch elastic in each child
-        if not error_file:
-            return main(argv)
         try:
+            if not error_file:
+                return main(argv)
             return record(main)(argv)
         except SystemExit as exc:
-            if not isinstance(exc.code, str):
+            if not error_file or not isinstance(exc.code, str):
                 raise
             _write_refusal(error_file, exc.code)
             raise SystemExit(1) from None
+        finally:
+            rundir.release()  # the output directory's lock (shared/core/rundir.py)
 
     return run
 
@@ -119,10 +122,20 @@ class Preemption:
         def handler(signum, _frame):
             if signum == signal.SIGINT and self.local:
                 raise KeyboardInterrupt
+            if not self.local and os.environ.get("RANK", "0") == "0":  # said once, by one process
+                print(f"\n{signal.Signals(signum).name} received: the run saves a checkpoint at the next step and "
+                      "stops (during the final evaluation, it finishes it). Ctrl-C again stops at once.",
+                      file=sys.stderr, flush=True)
             self.local = self.local or signum
 
         for signum in self.SIGNALS:
             signal.signal(signum, handler)
+        if sys.platform == "linux":
+            # `accelerate launch` of one process does not forward SIGTERM: it dies and leaves the recipe training
+            # on. Asked here, the kernel sends the recipe SIGTERM when its launcher (the parent) dies.
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
     def received(self) -> list[float]:
         """This process's vote, one per SIGNALS, for the meter's logging collective."""
@@ -218,7 +231,8 @@ def resolve_launch(
                      parallelism_config=rules.launched_parallelism(os.environ), **asks)
     rules.check(run)  # the rule table: refused here, with the reason and the fix
     check_environment(mixed_precision, uses_deepspeed=sharding.startswith("zero"))
-    check_output_dir(output_dir)
+    if os.environ.get("RANK", "0") == "0":  # the main process: one run per output directory
+        rundir.claim(args, output_dir)
     log_with = _trackers(args.report_to)
 
     # Two processes on two cores with torch's default thread count oversubscribe the CPU: a 3 s run took 83 s.
@@ -335,22 +349,6 @@ def _trackers(report_to: str | None) -> list[str] | None:
 
 
 _TRACKER_PACKAGES = {"comet_ml": "comet-ml"}  # the pip name, where it differs from the tracker's
-
-
-def check_output_dir(output_dir: str) -> None:
-    """An output directory that cannot be written would fail at the first checkpoint, or after training."""
-    import tempfile
-
-    path = Path(output_dir).expanduser().absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())  # created later; nothing is created here
-    if not existing.is_dir():
-        raise SystemExit(f"--output_dir {output_dir!r}: {existing} is a file, not a directory. Pass another path.")
-    try:
-        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-test-"):
-            pass
-    except OSError as err:
-        raise SystemExit(f"--output_dir {output_dir!r} cannot be written ({type(err).__name__}: {err.strerror or err})"
-                         ". Pass a directory you can write to.") from None
 
 
 def free_port() -> int:

@@ -35,6 +35,7 @@ class Meter:
         self.window: list[torch.Tensor] = []
         self.initial_loss: float | None = None
         self.last_loss: float | None = None
+        self._summary: dict | None = None
         self.state: dict[str, int] | None = None
         self.extras: dict[str, object] = {}
         self.step_loss: torch.Tensor | None = None  # the last recorded step's loss
@@ -124,8 +125,12 @@ class Meter:
         self.bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}")
 
     def summary(self) -> dict[str, object]:
-        """The measured fields of results.json; memory figures are lists indexed by process rank."""
+        """The measured fields of results.json; memory figures are lists indexed by process rank. Measured once, at
+        the first call (finish makes it before the model is saved)."""
         from accelerate.utils import gather_object
+
+        if self._summary is not None:
+            return self._summary
 
         per_process = {"peak_memory_bytes": peak_memory_bytes(self.accelerator.device), **(self.state or {}),
                        "param_fingerprint": param_fingerprint(self.model)}
@@ -135,7 +140,7 @@ class Meter:
             torch.tensor([self.samples, float(self.tokens)], dtype=torch.float64, device=self.accelerator.device),
             "sum")
         seconds = self.elapsed or float("nan")
-        return {
+        self._summary = {
             "initial_loss": self.accelerator.reduce(
                 torch.tensor(self.initial_loss or float("nan"), device=self.accelerator.device), "mean").item(),
             "train_loss": self.last_loss,
@@ -150,4 +155,5 @@ class Meter:
             "memory_trace_bytes": self.memory_trace,
             **fields,
         }
+        return self._summary
 

@@ -6,11 +6,14 @@ import json
 import logging
 import math
 import os
+import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from . import rundir
 
 if TYPE_CHECKING:
     from .launch import Launch
@@ -23,17 +26,23 @@ def finish(accelerator, launch: Launch, task, model: torch.nn.Module, eval_datal
     """Evaluate, write results.json, save the model as safetensors (unless --no_save_model, or `save=False` for a
     recipe that saves another form itself), close the trackers. Returns the results."""
     save = save and not launch.args.no_save_model
+    meter.summary()  # measured before the save adds to the memory peak (results.json reads it below)
+    if save:  # first: an evaluation that fails or is interrupted (Ctrl-C, a grace period's end) leaves the model
+        try:
+            save_model(accelerator, model, task, launch.output_dir)
+        except Exception as err:
+            full = rundir.disk_full(err, Path(launch.output_dir), "the trained model", "--resume_from_checkpoint "
+                                    "latest then writes it from the last checkpoint (with --checkpointing_steps).")
+            if full:
+                raise full from err
+            raise
     try:
         metrics = task.evaluate(model, eval_dataloader, accelerator)
-    except Exception:
-        # Training is done and is the costly part: keep it before the failure is reported.
-        if save:
-            save_model(accelerator, model, task, launch.output_dir)
-            logger.error("evaluation failed after training; the trained model is saved in %s", launch.output_dir)
-        raise
+    except KeyboardInterrupt:
+        kept = f"the trained model is in {launch.output_dir}" if save else "nothing of the model was saved here"
+        logger.error("interrupted during the final evaluation: %s; results.json is not written", kept)
+        raise SystemExit(128 + signal.SIGINT) from None
     results = collect_results(accelerator, launch, task, meter, metrics, extras)
-    if save:
-        save_model(accelerator, model, task, launch.output_dir)
     return write_results(accelerator, launch, results)
 
 

@@ -1,0 +1,123 @@
+"""The output directory: one run writes to it at a time, a finished run in it is replaced only when asked (and then
+none of its files stay beside the new model), and a full disk is named, with the bytes needed, before a save."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+LOCK = ".run.lock"  # held (flock) for the run's life; it also records which entries were there before the run
+RUN_STATE = ("checkpoints", "diverged_step_*", "results.json", "results.json.tmp", "preflight.json")
+FINISHED = ("results.json", "model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
+            "quantized_model.pt")  # any one of them: a run finished here
+_held: dict[Path, int] = {}  # output dir -> this process's locked descriptor
+
+
+def claim(args: argparse.Namespace, output_dir: str) -> None:
+    """Before anything loads, on the main process: the directory can be written, no other run holds it, and it holds
+    no finished run unless --overwrite_output_dir (which removes that run's files) or a resume is asked."""
+    import fcntl
+
+    path = Path(output_dir).expanduser().absolute()
+    check_writable(path, output_dir)
+    if path in _held:
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the kernel releases it when the process ends, kill -9 too
+    except BlockingIOError:
+        holder = _read_lock(fd).get("by", "another process")
+        os.close(fd)
+        raise SystemExit(f"--output_dir {output_dir!r} is in use by another run ({holder}): two runs in one directory "
+                         "replace each other's checkpoints and model. Pass another --output_dir, or wait for it to "
+                         "end.") from None
+    _held[path] = fd
+    before = _read_lock(fd).get("before")
+    done = [name for name in FINISHED if (path / name).exists()]
+    if done and not args.resume_from_checkpoint:
+        if not args.overwrite_output_dir:
+            release()
+            raise SystemExit(f"--output_dir {output_dir!r} holds a finished run ({done[0]}): a new run would replace "
+                             "its model and results. Pass --overwrite_output_dir to replace it, "
+                             "--resume_from_checkpoint latest to train it on, or another --output_dir.")
+        _remove_run(path, before)
+        before = None
+    if before is None or not args.resume_from_checkpoint:  # a resume keeps its first session's record
+        before = {p.name: p.stat().st_mtime_ns for p in path.iterdir() if p.name != LOCK}
+    record = json.dumps({"by": f"pid {os.getpid()} on {socket.gethostname()}", "before": before}).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, record, 0)
+
+
+def _read_lock(fd: int) -> dict:
+    try:
+        record = json.loads(os.pread(fd, 1 << 20, 0) or b"{}")
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _remove_run(path: Path, before: dict | None) -> None:
+    """The previous run's files: its run state, and every entry it created or rewrote (where its lock recorded what
+    was there before it began). Files that were there before it, a user's own among them, stay."""
+    ours = {p for pattern in RUN_STATE for p in path.glob(pattern)}
+    if isinstance(before, dict):
+        ours |= {p for p in path.iterdir() if p.name != LOCK and before.get(p.name) != p.stat().st_mtime_ns}
+    for p in ours:
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
+def release() -> None:
+    """The end of the run in this process (entrypoint): another run may take the directories now."""
+    while _held:
+        os.close(_held.popitem()[1])
+
+
+def check_writable(path: Path, output_dir: str) -> None:
+    """An output directory that cannot be written would fail at the first checkpoint, or after training."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise SystemExit(f"--output_dir {output_dir!r}: {existing} is a file, not a directory. Pass another path.")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise SystemExit(f"--output_dir {output_dir!r} cannot be written ({type(err).__name__}: {err.strerror or err})"
+                         ". Pass a directory you can write to.") from None
+
+
+def _mount(path: Path) -> tuple[Path, int]:
+    """The mount point holding `path` and its free bytes."""
+    path = next(p for p in (path, *path.parents) if p.exists())
+    mount = path
+    while not os.path.ismount(mount):
+        mount = mount.parent
+    return mount, shutil.disk_usage(path).free
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.1f} MB"
+
+
+def check_room(path: Path, needed: int, what: str, then: str) -> None:
+    """Refuse a save of about `needed` bytes that the disk holding `path` has no room for, before it starts."""
+    mount, free = _mount(Path(path).absolute())
+    if free < needed:
+        raise SystemExit(f"The disk holding {path} ({mount}) has {_mb(free)} free, and {what} needs about "
+                         f"{_mb(needed)}. Free space there or pass another --output_dir; {then}")
+
+
+def disk_full(err: BaseException, path: Path, what: str, then: str) -> SystemExit | None:
+    """A failed save, said as a full disk where it was one (torch says `basic_ios::clear: iostream error` or
+    `file write failed`, safetensors `No space left on device`); None when it was not."""
+    mount, free = _mount(Path(path).absolute())
+    if getattr(err, "errno", None) != 28 and "No space left" not in str(err) and free > 2**20:
+        return None
+    return SystemExit(f"The disk holding {path} ({mount}) is full ({_mb(free)} free): {what} did not fit "
+                      f"({type(err).__name__}: {err}). Free space there or pass another --output_dir; {then}")
