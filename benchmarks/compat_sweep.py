@@ -161,7 +161,7 @@ def run_cell(cell: Cell, out: Path, timeout: int) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cmd = cell.command(out, probe=True)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *cmd[2:],
-           *RUN_ARGS, "--output_dir", str(out)]
+           *RUN_ARGS, "--overwrite_output_dir", "--output_dir", str(out)]
     t0 = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

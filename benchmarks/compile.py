@@ -30,7 +30,8 @@ def run(mode: str, out: Path, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, str(ROOT / "recipes" / "baseline.py"), "--task", "causal-lm", "--model_preset",
            args.model_preset, "--max_train_steps", str(args.steps), "--per_device_train_batch_size", "8",
            "--max_seq_length", "128", "--max_eval_samples", "8", "--per_device_eval_batch_size", "8",
-           "--disable_dropout", "--report_to", "none", "--no_save_model", "--output_dir", str(out / "run"),
+           "--disable_dropout", "--report_to", "none", "--no_save_model",
+           "--overwrite_output_dir", "--output_dir", str(out / "run"),
            *(["--torch_compile", mode] if mode != "off" else [])]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TORCHINDUCTOR_CACHE_DIR": str(out / "inductor")}
     start = time.perf_counter()

@@ -39,7 +39,8 @@ def model_dir(root: Path, hidden: int) -> Path:
 def run(model: Path, out: Path, steps: int, dora: bool) -> dict:
     cmd = [sys.executable, str(ROOT / "recipes" / "qlora.py"), "--task", "causal-lm", "--model_name_or_path",
            str(model), "--max_train_steps", str(steps), "--per_device_train_batch_size", "8", "--lora_dropout", "0",
-           "--learning_rate", "3e-3", "--report_to", "none", "--no_save_model", "--output_dir", str(out),
+           "--learning_rate", "3e-3", "--report_to", "none", "--no_save_model",
+           "--overwrite_output_dir", "--output_dir", str(out),
            *(["--use_dora"] if dora else [])]
     subprocess.run(cmd, check=True, capture_output=True, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                                                               "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})

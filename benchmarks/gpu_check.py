@@ -103,7 +103,8 @@ def run_recipe_check(check: dict, out: Path, cuda: bool) -> dict:
     work = out / check["name"].replace(" ", "_").replace(",", "")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / check.get("config", "single_process.yaml")), "--num_processes", "1",
-           str(ROOT / "recipes" / f"{check['recipe']}.py"), *check["args"], "--output_dir", str(work)]
+           str(ROOT / "recipes" / f"{check['recipe']}.py"), *check["args"],
+           "--overwrite_output_dir", "--output_dir", str(work)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})

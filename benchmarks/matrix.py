@@ -152,7 +152,7 @@ def run_argv(run: Run, task: str, preset: str, steps: int, batch: int, out: Path
     argv = ["--task", task, "--model_preset", preset, "--max_train_steps", str(steps),
             "--per_device_train_batch_size", str(batch), "--per_device_eval_batch_size", str(batch),
             "--max_train_samples", str(max(64, 4 * batch * steps)), "--max_eval_samples", str(2 * batch),
-            "--no_save_model", "--report_to", "none", "--output_dir", str(out), *run.args]
+            "--no_save_model", "--report_to", "none", "--overwrite_output_dir", "--output_dir", str(out), *run.args]
     if SEQ[task]:
         argv += ["--max_seq_length", str(SEQ[task])]
     return argv

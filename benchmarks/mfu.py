@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     recipe_args = ["--task", args.task, "--model_preset", args.model_preset, "--max_train_steps", str(args.steps),
                    "--per_device_train_batch_size", str(args.batch), "--max_eval_samples", str(args.batch),
                    "--per_device_eval_batch_size", str(args.batch), "--logging_steps", str(args.steps),
-                   "--no_save_model", "--report_to", "none", "--output_dir", str(work)]
+                   "--no_save_model", "--report_to", "none", "--overwrite_output_dir", "--output_dir", str(work)]
     if args.mixed_precision != "fp8" and args.recipe != "fp8":
         recipe_args += ["--mixed_precision", args.mixed_precision]
     if args.task != "image-classification":

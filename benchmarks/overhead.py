@@ -123,7 +123,7 @@ def run_recipe(task: str, batch: int, seq: int, steps: int, out: str, processes:
     subprocess.run([*launch, str(ROOT / "recipes" / "baseline.py"), "--task", task, "--model_preset", "base",
                     "--per_device_train_batch_size", str(batch), "--max_seq_length", str(seq), "--disable_dropout",
                     "--max_train_steps", str(steps), "--report_to", "none", "--no_save_model", "--max_eval_samples",
-                    "8", "--output_dir", out], check=True, capture_output=True)
+                    "8", "--overwrite_output_dir", "--output_dir", out], check=True, capture_output=True)
     return json.loads((Path(out) / "results.json").read_text())["seconds_per_step"]
 
 

@@ -32,7 +32,7 @@ from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.tasks import load_task
-from shared.techniques.pipeline_stages import split_layers
+from shared.techniques.pipeline_stages import checkpoint_per_process, split_layers
 
 RECIPE = "model_parallel"
 logger = logging.getLogger("recipes")
@@ -104,6 +104,8 @@ def main(argv=None) -> dict:
         optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
     model = task.model
+    # Left out of prepare(), the model is left out of save_state() too: its checkpoints save and load it here.
+    checkpoint_per_process(accelerator, model, optimizer, scheduler)
     start_step, consumed = resume(accelerator, launch)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop

@@ -153,6 +153,8 @@ def main(argv=None) -> dict:
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
     targets = prunable(accelerator.unwrap_model(model), args.pruning_structure)
+    for _, m, _ in targets:  # masks from the start (all ones): every checkpoint holds them, so any one resumes
+        prune.identity(m, "weight")
     start_step, consumed = resume(accelerator, launch)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
