@@ -98,8 +98,8 @@ def _model_dir(tmp: Path, kind: str, tokenizer: bool = True) -> Path:
 def _finished_checkpoint(tmp: Path) -> Path:
     from tests.conftest import run_recipe
 
-    run_recipe("baseline", tmp / "done", "--max_train_steps", 2, "--checkpointing_steps", 2, "--no_save_model")
-    return next((tmp / "done" / "checkpoints").glob("step_*"))
+    run_recipe("baseline", tmp / "done", "--max_train_steps", 4, "--checkpointing_steps", 4, "--no_save_model")
+    return tmp / "done" / "checkpoints" / "step_00000004"
 
 
 def _checkpoint_dir(tmp: Path) -> Path:
@@ -362,8 +362,8 @@ CASES = [
          ["--report_to", "tensorbord"], ["not a tracker Accelerate knows", "Did you mean tensorboard?"]),
     Case("unwritable-output-dir", "an output directory that cannot be written (it would fail after training)", [],
          ["is a file, not a directory", "Pass another path"], out=lambda t: _write(t / "afile", "x") / "out"),
-    Case("resume-at-the-end", "resuming a checkpoint at the last step (nothing to train, train_loss None)", [],
-         ["is at step 2, and this run has 2 steps: nothing is left to train", "Raise --max_train_steps"],
+    Case("resume-past-the-end", "resuming a checkpoint past the run's last step (a lowered --max_train_steps)", [],
+         ["is at step 4, past this run's 2 steps", "Pass --max_train_steps 4 or more"],
          setup=lambda t: ["--resume_from_checkpoint", _finished_checkpoint(t)]),
     Case("dora-without-lora", "DoRA asked for with no LoRA adapters to shape", ["--use_dora"],
          ["--use_dora makes the LoRA adapters DoRA adapters, and --lora trains none", "Add --lora"],

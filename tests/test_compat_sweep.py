@@ -62,7 +62,7 @@ def test_combined_recipe_trains_and_saves_a_lora_adapter_with_checkpointing(tmp_
 
     from tests.conftest import run_recipe
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # see test_memory_does_not_grow_over_thousands_of_steps
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # see test_memory_does_not_grow_over_a_thousand_steps
     torch.set_num_threads(1)
     r = run_recipe("combined", tmp_path, "--task", "causal-lm", "--lora", "--gradient_checkpointing",
                    "--max_train_steps", 30, "--learning_rate", 3e-3, "--max_train_samples", 256)

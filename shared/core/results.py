@@ -23,8 +23,8 @@ logger = logging.getLogger("recipes")
 
 def finish(accelerator, launch: Launch, task, model: torch.nn.Module, eval_dataloader, meter,
            extras: dict | None = None, save: bool = True) -> dict:
-    """Evaluate, write results.json, save the model as safetensors (unless --no_save_model, or `save=False` for a
-    recipe that saves another form itself), close the trackers. Returns the results."""
+    """Save the model as safetensors (unless --no_save_model, or `save=False` for a recipe that saved another form
+    itself), evaluate, write results.json, close the trackers. Returns the results."""
     save = save and not launch.args.no_save_model
     meter.summary()  # measured before the save adds to the memory peak (results.json reads it below)
     if save:  # first: an evaluation that fails or is interrupted (Ctrl-C, a grace period's end) leaves the model
@@ -39,7 +39,8 @@ def finish(accelerator, launch: Launch, task, model: torch.nn.Module, eval_datal
     try:
         metrics = task.evaluate(model, eval_dataloader, accelerator)
     except KeyboardInterrupt:
-        kept = f"the trained model is in {launch.output_dir}" if save else "nothing of the model was saved here"
+        kept = "--no_save_model: no model was saved" if launch.args.no_save_model else (
+            f"the trained model was saved to {launch.output_dir} before it")
         logger.error("interrupted during the final evaluation: %s; results.json is not written", kept)
         raise SystemExit(128 + signal.SIGINT) from None
     results = collect_results(accelerator, launch, task, meter, metrics, extras)
