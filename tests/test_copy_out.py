@@ -420,7 +420,7 @@ def _core_lines(c) -> int:
 def test_a_copied_baseline_carries_the_spine_alone(tmp_path):
     """No technique module and no tool: the spine, of which at most 3,150 lines hold code, comments or docstrings:
     3,000 on 2026-12-01 (3,538 with the blank lines; the one rule table, which every copy carries whole, is 611),
-    then 142 more for what every run needs from its directory (shared/core/rundir.py: one run at a time, a finished
+    then 143 more for what every run needs from its directory (shared/core/rundir.py: one run at a time, a finished
     run kept, a full disk named) and a run's end that keeps its model."""
     c = plan_copy(ROOT / "recipes" / "baseline.py", tmp_path)
     core = {rel: data.decode() for rel, (data, _) in c.files.items() if rel.startswith(f"{VENDORED}/")}

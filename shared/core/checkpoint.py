@@ -121,10 +121,10 @@ def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, 
     final = final or root / f"step_{step:08d}"
     tmp = final.with_name(f".tmp_{final.name}")
     run = run_identity(launch, accelerator.num_processes)
-    ours = [p for p in sorted(root.glob("step_*")) if not differences(saved_run(p), run, FIXED)]
     then = "this run's earlier checkpoints are intact (--resume_from_checkpoint latest continues from the newest)."
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
+        ours = [p for p in sorted(root.glob("step_*")) if not differences(saved_run(p), run, FIXED)]
         if ours:  # the last one's size: what this one needs, checked before writing a byte
             last = _read_json(ours[-1] / MANIFEST) or {}
             rundir.check_room(root, sum(m.get("bytes", 0) for m in last.values()), f"checkpoint {final.name}", then)

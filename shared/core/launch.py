@@ -231,9 +231,10 @@ def resolve_launch(
                      parallelism_config=rules.launched_parallelism(os.environ), **asks)
     rules.check(run)  # the rule table: refused here, with the reason and the fix
     check_environment(mixed_precision, uses_deepspeed=sharding.startswith("zero"))
+    log_with = _trackers(args.report_to)
+    # Last of the checks: --overwrite_output_dir removes the old run, which a refusal above must not have cost.
     if os.environ.get("RANK", "0") == "0":  # the main process: one run per output directory
         rundir.claim(args, output_dir)
-    log_with = _trackers(args.report_to)
 
     # Two processes on two cores with torch's default thread count oversubscribe the CPU: a 3 s run took 83 s.
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:
