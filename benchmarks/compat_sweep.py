@@ -3,10 +3,11 @@ base, DoRA on NF4, the chunked loss) x activation checkpointing x precision, eac
 through recipes/combined.py; and torchao's 8-bit, 4-bit and FP8 AdamW, through recipes/optim_low_bit.py, under every
 sharding + offload row.
 
-    python benchmarks/compat_sweep.py              # 229 combinations, ~90 min on 2 CPU cores (see default_cells)
+    python benchmarks/compat_sweep.py              # 249 combinations, ~100 min on 2 CPU cores (see default_cells)
     python benchmarks/compat_sweep.py --all        # all 612
     python benchmarks/compat_sweep.py --quick      # one cell per outcome, for the tests
     python benchmarks/compat_sweep.py --only zero3 --only lora
+    python benchmarks/compat_sweep.py --model_preset tiny-llama --only zero3    # those cells on Llama (or tiny-moe)
 
 Each cell ends as one of
   works    trained 2 steps, and did what was asked: 2 processes, the sharding and offload asked for, the precision
@@ -70,7 +71,7 @@ RECIPE_OF = {w: "recipes/optim_low_bit.py" for w in ("ao-8bit-optim", "ao-4bit-o
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 QUICK = [  # cells of the default sweep: a combination that works, and two that were broken and are now refused
-    ("zero3", "none", "lora", True, "bf16"),
+    ("zero3", "none", "lora", True, "bf16", "tiny-llama"),
     ("zero2", "cpu", "8bit-optim", True, "fp32"),
     ("fsdp", "none", "int8+lora", True, "fp32"),
 ]
@@ -91,11 +92,13 @@ class Cell:
     weights: str
     checkpointing: bool
     precision: str
+    preset: str = "tiny"  # --model_preset: tiny (GPT-2), or a decoder preset (tiny-llama, tiny-moe)
 
     @property
     def name(self) -> str:
         return (f"{self.sharding}{'' if self.offload == 'none' else '+' + self.offload + '-offload'} {self.weights}"
-                f"{' +ckpt' if self.checkpointing else ''} {self.precision}")
+                f"{' +ckpt' if self.checkpointing else ''} {self.precision}"
+                f"{'' if self.preset == 'tiny' else ' ' + self.preset}")
 
     def command(self, out: Path | None = None, probe: bool = False) -> list[str]:
         config, offloads = SHARDING[self.sharding]
@@ -109,7 +112,8 @@ class Cell:
         launch = ["accelerate", "launch", "--config_file", f"accelerate_configs/{config}", *offloads[self.offload]]
         recipe = [RECIPE_OF.get(self.weights, "recipes/combined.py")]
         recipe = ["benchmarks/compat_cell.py", *recipe] if probe else recipe
-        return [*launch, *recipe, "--task", "causal-lm", *recipe_args]
+        preset = [] if self.preset == "tiny" else ["--model_preset", self.preset]
+        return [*launch, *recipe, "--task", "causal-lm", *preset, *recipe_args]
 
 
 def all_cells() -> list[Cell]:
@@ -128,7 +132,8 @@ def default_cells() -> list[Cell]:
     Every sharding + offload row x every weights variant, with checkpointing, in fp32 and bf16; without checkpointing
     for full weights and LoRA in fp32; fp16 where it can run on CPU (DDP, FSDP) and one fp16 cell per ZeRO row (the
     DeepSpeed CPU refusal comes before anything else is set up). ZeRO-1/2 + NVMe is refused before any other check:
-    one cell each.
+    one cell each. The decoder presets: tiny-llama with full weights, LoRA and NF4 + LoRA, tiny-moe with full weights,
+    under every sharding (no offload), with checkpointing.
     """
     cells = []
     for sharding, (_, offloads) in SHARDING.items():
@@ -148,6 +153,11 @@ def default_cells() -> list[Cell]:
                     cells.append(Cell(sharding, offload, weights, True, "fp16"))
             if sharding.startswith("zero"):
                 cells.append(Cell(sharding, offload, "full", True, "fp16"))
+    # The decoder presets (Llama, and Mixtral: a mixture of experts) under every sharding: full weights, LoRA, QLoRA.
+    for sharding in SHARDING:
+        cells += [Cell(sharding, "none", weights, True, precision, "tiny-llama")
+                  for weights, precision in (("full", "fp32"), ("lora", "bf16"), ("nf4+lora", "bf16"))]
+        cells.append(Cell(sharding, "none", "full", True, "bf16", "tiny-moe"))
     return cells
 
 
@@ -188,7 +198,8 @@ def run_cell(cell: Cell, out: Path, timeout: int) -> dict:
         row.update(status="broken" if problems else "works", detail="; ".join(problems) or None,
                    train_loss=r.get("train_loss"), compute_dtype=r.get("compute_dtype"),
                    peak_memory_bytes=max(r.get("peak_memory_bytes") or [0]),
-                   trainable_params=r.get("trainable_params"), optimizer_class=r.get("optimizer_class"))
+                   trainable_params=r.get("trainable_params"), total_params=r.get("total_params"),
+                   optimizer_class=r.get("optimizer_class"), model_type=r.get("model_type"))
     elif code is None:
         row.update(status="broken", detail=f"hung: no end within {timeout} s")
     elif refused and not broken:
@@ -225,6 +236,10 @@ def what_went_wrong(cell: Cell, r: dict) -> list[str]:
         problems.append("LoRA but most parameters train")
     if cell.weights == "nf4+dora" and not r.get("use_dora"):
         problems.append("DoRA asked for, LoRA trained")
+    if cell.preset != "tiny" and r.get("model_type") != {"tiny-llama": "llama", "tiny-moe": "mixtral"}[cell.preset]:
+        problems.append(f"trained a {r.get('model_type')} model, not {cell.preset}")
+    if cell.preset == "tiny-moe" and r.get("router_aux_loss") is None:
+        problems.append("no router load-balancing loss in the mixture of experts' loss")
     if cell.weights == "chunked-loss" and not r.get("loss_chunks"):
         problems.append("no chunked loss in the run")
     if cell.weights == "8bit-optim" and "8bit" not in str(r.get("optimizer_class")).lower():
@@ -251,14 +266,16 @@ def write_outputs(rows: list[dict], out_dir: Path, quick: bool, machine_note: st
     lines = [f"# Compatibility matrix{' (quick)' if quick else ''}", "",
              f"Made by `python benchmarks/compat_sweep.py` on {report['machine']}.",
              "Every cell is a real run of recipes/combined.py (the ao- optimizers: recipes/optim_low_bit.py) in 2 "
-             "processes (tiny GPT-2, built-in data, 2 steps). "
+             "processes (tiny GPT-2, or the decoder preset the cell names, built-in data, 2 steps). "
              "**works**: trained, with 2 processes, the sharding, offload and precision asked for (checked on the "
              "run, not on the config), a finite loss, LoRA / quantized layers present when asked. **refused**: "
              "stopped before training with the message shown. **broken**: crashed, hung, or did something else.",
              "", f"{counts['works']} work, {counts['refused']} refused, {counts['broken']} broken, "
              f"of {len(rows)} combinations.", ""]
-    # The grid: one row per sharding+offload, one column per weights x checkpointing x precision.
-    by_key = {(r["sharding"], r["offload"], r["weights"], r["checkpointing"], r["precision"]): r for r in rows}
+    # The grid (tiny GPT-2; the decoder presets' cells are listed below it): one row per sharding+offload, one column
+    # per weights x checkpointing x precision.
+    by_key = {(r["sharding"], r["offload"], r["weights"], r["checkpointing"], r["precision"]): r for r in rows
+              if r.get("preset", "tiny") == "tiny"}
     cols = [(w, c, p) for w in WEIGHTS for c in (False, True) for p in PRECISIONS
             if any(k[2:] == (w, c, p) for k in by_key)]  # columns with at least one run
     mark = {"works": "✓", "refused": "R", "broken": "✗"}
@@ -272,6 +289,10 @@ def write_outputs(rows: list[dict], out_dir: Path, quick: bool, machine_note: st
                 continue
             lines.append(f"| {sharding}{'' if offload == 'none' else ' + ' + offload + ' offload'} | "
                          + " | ".join(mark[x["status"]] if x else "" for x in cells) + " |")
+    decoders = [r for r in rows if r.get("preset", "tiny") != "tiny"]
+    if decoders:
+        lines += ["", "Decoder presets (`--model_preset`): " + ", ".join(
+            f"{r['name']} {mark[r['status']]}" for r in decoders) + "."]
     reasons: dict[str, list[str]] = {}
     for r in rows:
         if r["status"] != "works":
@@ -297,7 +318,8 @@ def plot(rows: list[dict], cols: list[tuple], path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
 
-    by_key = {(r["sharding"], r["offload"], r["weights"], r["checkpointing"], r["precision"]): r for r in rows}
+    by_key = {(r["sharding"], r["offload"], r["weights"], r["checkpointing"], r["precision"]): r for r in rows
+              if r.get("preset", "tiny") == "tiny"}
     row_keys = [(s, o) for s, (_, offs) in SHARDING.items() for o in offs
                 if any((s, o, *c) in by_key for c in cols)]
     code = {"works": 1, "refused": 2, "broken": 3}
@@ -330,13 +352,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--output_dir", default=str(ROOT / "docs" / "results"))
     ap.add_argument("--work_dir", default=None, help="Run outputs; default: <output_dir>/compat_runs (not committed).")
     ap.add_argument("--timeout", type=int, default=300, help="Seconds before a cell counts as hung.")
+    ap.add_argument("--model_preset", default=None, choices=("tiny", "tiny-llama", "tiny-moe"),
+                    help="Run the chosen cells on this model instead of each cell's own (tiny GPT-2 unless named).")
     ap.add_argument("--update", action="store_true",
                     help="Replace only the cells run now in the existing compat.json (after a fix).")
     args = ap.parse_args(argv)
     from tqdm.auto import tqdm
 
     cells = [Cell(*c) for c in QUICK] if args.quick else all_cells() if args.all else default_cells()
-    cells = [c for c in cells if all(o in c.name for o in args.only)]
+    cells = [replace(c, preset=args.model_preset) if args.model_preset else c for c in cells]
+    cells = [c for c in dict.fromkeys(cells) if all(o in c.name for o in args.only)]
     work = Path(args.work_dir) if args.work_dir else Path(args.output_dir) / "compat_runs"
     rows = []
     bar = tqdm(cells, desc="compat", dynamic_ncols=True)

@@ -1,7 +1,8 @@
 """The measured technique matrix: every recipe on the same model, data and steps; tables, JSON and plots.
 
     python benchmarks/matrix.py --quick          # tiny + base presets, 3 tasks, 3 recipes, 2 steps: a few minutes
-    python benchmarks/matrix.py                  # more steps, more recipes and configs
+    python benchmarks/matrix.py                  # more steps, more recipes and configs, the decoder presets too
+    python benchmarks/matrix.py --quick --presets tiny-llama tiny-moe --tasks text-classification causal-lm
 
 Writes docs/results/matrix.md, matrix.json and matrix.png (or --output_dir). Each run's measured bytes are printed
 beside what the planner (shared/tools/plan.py) predicts for it. Adding a recipe or a config is one line in RUNS:
@@ -68,6 +69,8 @@ from shared.tools.plan import (
 
 # ---------------------------------------------------------------- the runs: one line each
 
+DECODERS = ("tiny-llama", "tiny-moe")  # Llama and Mixtral (a mixture of experts): text tasks, in the full matrix
+
 
 @dataclass(frozen=True)
 class Run:
@@ -106,31 +109,31 @@ def unplanned(recipe: str, **run: object) -> Run:
 
 
 RUNS: list[Run] = [
-    planned("baseline", quick=True),
-    planned("mixed_precision", quick=True),
-    planned("activation_checkpointing", quick=True),
+    planned("baseline", quick=True, presets=("tiny", "base", *DECODERS)),
+    planned("mixed_precision", quick=True, presets=("tiny", "base", *DECODERS)),
+    planned("activation_checkpointing", quick=True, presets=("tiny", "base", *DECODERS)),
     planned("mixed_precision", args=("--mixed_precision", "fp16")),  # predicted as bf16 (the same 16-bit bytes)
     unplanned("gradient_accumulation", args=("--gradient_accumulation_steps", "2")),
     planned("baseline", config="multi_cpu.yaml"),
     # Memory techniques in 2 processes (1 for the quantized ones), tiny preset in --quick.
-    planned("optim_8bit", quick=True, presets=("tiny",)),
+    planned("optim_8bit", quick=True, presets=("tiny", *DECODERS)),
     planned("zero1"),
     planned("zero2", quick=True, presets=("tiny",)),
-    planned("zero3", quick=True, presets=("tiny",)),
+    planned("zero3", quick=True, presets=("tiny", *DECODERS)),
     planned("zero2_offload"),
     planned("zero3_offload"),
-    planned("fsdp", quick=True, presets=("tiny",)),
+    planned("fsdp", quick=True, presets=("tiny", *DECODERS)),
     planned("fsdp_offload"),
     planned("qlora_4bit", presets=("tiny",)),
     planned("qlora_4bit_dora", presets=("tiny",)),
     # The memory techniques of issue 13, one process, tiny preset in --quick.
-    planned("chunked_loss", args=("--loss_chunk_size", "16"), model={"loss_chunk": 16}, quick=True, presets=("tiny",),
-            tasks=("causal-lm",)),
-    planned("optim_4bit", quick=True, presets=("tiny",)),
-    planned("optimizer_in_backward", quick=True, presets=("tiny",)),
+    planned("chunked_loss", args=("--loss_chunk_size", "16"), model={"loss_chunk": 16}, quick=True,
+            presets=("tiny", *DECODERS), tasks=("causal-lm",)),
+    planned("optim_4bit", quick=True, presets=("tiny", *DECODERS)),
+    planned("optimizer_in_backward", quick=True, presets=("tiny", *DECODERS)),
     planned("qlora_8bit", presets=("tiny",)),
-    unplanned("qat", presets=("tiny",)),
-    unplanned("pruning", presets=("tiny",)),
+    unplanned("qat", presets=("tiny", "tiny-llama")),  # tiny-moe: refused (its experts are not nn.Linear)
+    unplanned("pruning", presets=("tiny", "tiny-llama")),
     unplanned("combined", config="zero3.yaml", args=("--lora", "--gradient_checkpointing"), presets=("tiny",)),
     unplanned("model_parallel", presets=("tiny",)),
     unplanned("pipeline_parallel", config="pipeline.yaml", presets=("tiny",)),
@@ -139,9 +142,10 @@ RUNS: list[Run] = [
 
 # --quick leaves out ViT-base in bf16: on an AVX2-only CPU a bf16 matmul is ~6x slower than fp32 (measured), and
 # one bf16 step of ViT-base took minutes. The full matrix runs it.
-QUICK = dict(steps=2, presets=("tiny", "base"), batch={"tiny": 8, "base": 1},
+QUICK = dict(steps=2, presets=("tiny", "base"), batch={"tiny": 8, "base": 1, **dict.fromkeys(DECODERS, 8)},
              skip={("mixed_precision", "image-classification", "base")})
-FULL = dict(steps=20, presets=("tiny", "base"), batch={"tiny": 16, "base": 4}, skip=set())
+FULL = dict(steps=20, presets=("tiny", "base", *DECODERS), batch={"tiny": 16, "base": 4, **dict.fromkeys(DECODERS, 16)},
+            skip=set())
 # Sequence lengths every built-in example reaches, so each batch has exactly this shape (no dynamic padding):
 # the shortest review has 13 tokens, the shortest story 6.
 SEQ = {"text-classification": 12, "causal-lm": 6, "image-classification": None}
@@ -232,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output_dir", default=str(ROOT / "docs" / "results"))
     ap.add_argument("--work_dir", default=None, help="Run outputs; default: <output_dir>/runs (not committed).")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
-    ap.add_argument("--presets", nargs="+", default=None, choices=("tiny", "base"))
+    ap.add_argument("--presets", nargs="+", default=None, choices=("tiny", "base", *DECODERS))
     ap.add_argument("--base_recipes", nargs="+", default=None,
                     help="Only these recipes on the base preset (the tests run baseline only, to stay in budget).")
     ap.add_argument("--recipes", nargs="+", default=None, help="Only these recipes.")
@@ -245,6 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
     runs = [r for r in RUNS if (r.quick or not args.quick) and (not args.recipes or r.recipe in args.recipes)]
     jobs = [(r, t, p) for p in presets for t in args.tasks for r in runs
             if (r.recipe, t, p) not in setup["skip"] and p in r.presets and t in r.tasks
+            and not (p in DECODERS and t == "image-classification")  # text models
+            and not (p == "tiny-moe" and t == "text-classification")  # refused: Mixtral's classifier has no router loss
             and not (p == "base" and args.base_recipes and r.recipe not in args.base_recipes)]
     rows = []
     bar = tqdm(jobs, desc="matrix", dynamic_ncols=True)
@@ -361,7 +367,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in report["rows"] if r["status"] == "ok"]
-    presets = sorted({r["preset"] for r in rows}, key=["tiny", "base"].index)
+    presets = sorted({r["preset"] for r in rows}, key=["tiny", "base", *DECODERS].index)
     # One panel per row, full width: a preset can have 30+ runs, whose labels need the room.
     most = max(sum(r["preset"] == p for r in rows) for p in presets)
     fig, axes = plt.subplots(2 * len(presets), 1, figsize=(max(12, 0.42 * most), 4.6 * 2 * len(presets)),

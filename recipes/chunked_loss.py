@@ -74,7 +74,8 @@ def main(argv=None) -> dict:
     stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, launch, task, model, optimizer)
     guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
-    chunked_loss = ChunkedLoss(args.loss_chunk_size, max_tokens=args.per_device_train_batch_size * args.max_seq_length)
+    chunked_loss = ChunkedLoss(args.loss_chunk_size, max_tokens=args.per_device_train_batch_size * args.max_seq_length,
+                               task=task)  # a mixture of experts: its router's loss is added
     measured, batches = chunked_loss.measure_first_batch(accelerator, model, batches)  # plain vs chunked bytes
 
     model.train()

@@ -42,6 +42,7 @@ from shared.techniques.deepspeed_setup import (
 )
 from shared.techniques.quant import (
     COMPUTE_DTYPES,
+    check_linear_only,
     checkpoint_trainable_only,
     head_names,
     no_cpu_4bit_repacking,
@@ -105,6 +106,7 @@ def main(argv=None) -> dict:
     task = load_task(launch, accelerator)
 
     if args.load_in != "full":
+        check_linear_only(task.model, RECIPE, f"quantizes (bitsandbytes, --load_in {args.load_in})")  # experts
         # Quantized base weights (bitsandbytes), loaded from a checkpoint: the given one, or the preset written out.
         base_dir = args.model_name_or_path or str(Path(launch.output_dir) / "base_model")
         if not args.model_name_or_path:
@@ -159,7 +161,8 @@ def main(argv=None) -> dict:
         patch_zero_step_to_count_states(meter, model, optimizer)  # ZeRO frees gradients inside its own step
     chunked = None
     if args.chunked_loss:
-        chunked = ChunkedLoss(args.loss_chunk_size, max_tokens=args.per_device_train_batch_size * args.max_seq_length)
+        chunked = ChunkedLoss(args.loss_chunk_size, max_tokens=args.per_device_train_batch_size * args.max_seq_length,
+                              task=task)  # a mixture of experts: its router's loss is added
         measured, batches = chunked.measure_first_batch(accelerator, model, batches)  # plain vs chunked bytes
         meter.extras.update(measured, loss_chunks=chunked.num_chunks)
 

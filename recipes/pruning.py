@@ -5,7 +5,8 @@ Sparsity follows the cubic schedule of Zhu & Gupta (2017): s_t = s_f * (1 - (1 -
 fast while many redundant weights remain and slowly near the target, so the network recovers between steps.
 --pruning_structure unstructured  single weights (L1 magnitude)
                     rows          whole output rows (L2 norm): the layer could be made physically smaller
-                    heads         whole attention heads: their query/key/value rows (L2 norm)
+                    heads         whole attention heads: their query/key/value rows (L2 norm); grouped-query
+                                  attention (Llama): whole groups, a key/value head with the query heads it serves
 --pruning_scope     layer         each layer to the target; global: one threshold over all layers, so layers with
                                   many small weights lose more
 Zeros alone save nothing in a dense model file or matmul; they pay off with sparse kernels, by slicing pruned rows
@@ -34,6 +35,7 @@ from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.tasks import load_task
+from shared.techniques.quant import check_linear_only
 
 RECIPE = "pruning"
 QKV = ("query", "key", "value", "q_proj", "k_proj", "v_proj", "c_attn")
@@ -63,6 +65,7 @@ def head_masks(model, targets, sparsity, scope):
     """Masks that zero the query/key/value rows of the lowest-norm heads (per block, or over all blocks)."""
     cfg = model.config
     n_heads = cfg.num_attention_heads if hasattr(cfg, "num_attention_heads") else cfg.n_head
+    n_heads = getattr(cfg, "num_key_value_heads", None) or n_heads  # GQA: a key/value head and its query heads
     heads = []  # (norm, block, head)
     for name, m, dim in targets:
         w = m.weight.detach().transpose(0, dim)  # output features first
@@ -141,6 +144,7 @@ def main(argv=None) -> dict:
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(launch, accelerator)
+    check_linear_only(task.model, RECIPE, "prunes")  # refuses experts that are not nn.Linear
     max_steps = total_steps(launch, accelerator, task.train_dataloader)
     end_step = args.pruning_end_step or max(args.pruning_start_step + 1, int(0.7 * max_steps))
     frequency = args.pruning_frequency or max(1, (end_step - args.pruning_start_step) // 10)

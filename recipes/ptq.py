@@ -22,7 +22,7 @@ from shared.core.launch import entrypoint, resolve_launch, start_run
 from shared.core.models import transformer_layers
 from shared.core.preflight import stop_if_preflight
 from shared.core.tasks import load_task
-from shared.techniques.quant import conv1d_to_linear, dir_bytes
+from shared.techniques.quant import check_linear_only, conv1d_to_linear, dir_bytes
 
 RECIPE = "ptq"
 
@@ -45,6 +45,7 @@ def main(argv=None) -> dict:
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
     task = load_task(launch, accelerator)
     model = task.model.to(accelerator.device).eval()
+    check_linear_only(model, RECIPE, "quantizes")  # refuses experts that are not nn.Linear
     stop_if_preflight(accelerator, launch, task, model, None)  # --preflight: print the resolved run, stop
     before = task.evaluate(model, task.eval_dataloader, accelerator)
     fp32_bytes = dir_bytes(args.model_name_or_path) if Path(args.model_name_or_path).is_dir() else None
@@ -62,6 +63,7 @@ def main(argv=None) -> dict:
     task.save_preprocessing(str(out))
     results = {
         "recipe": RECIPE, "task": task.name, "model": task.model_id, "scheme": "int8 dynamic activations, int8 weights",
+        "model_type": model.config.model_type,
         "quantized_layers": sum("Tensor" in type(m.weight).__name__ and type(m.weight) is not nn.Parameter
                                 for m in model.modules() if isinstance(m, nn.Linear)),
         **{f"fp32_{k.removeprefix('eval_')}": v for k, v in before.items()},

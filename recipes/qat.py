@@ -33,7 +33,7 @@ from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.tasks import load_task
-from shared.techniques.quant import conv1d_to_linear, serialized_bytes
+from shared.techniques.quant import check_linear_only, conv1d_to_linear, serialized_bytes
 
 RECIPE = "qat"
 
@@ -69,6 +69,7 @@ def main(argv=None) -> dict:
     from torchao.quantization.qat import QATConfig
     task = load_task(launch, accelerator)
     model = conv1d_to_linear(task.model)  # GPT-2's Conv1D layers become nn.Linear, which torchao quantizes
+    check_linear_only(model, RECIPE, "fake-quantizes (then quantizes)")  # refuses experts that are not nn.Linear
     blocks = next(name for name, m in model.named_modules() if m is transformer_layers(model))
     in_blocks = lambda m, fqn: isinstance(m, nn.Linear) and fqn.startswith(blocks + ".")  # noqa: E731
     rules.check_built(group_size=args.group_size, in_features=tuple(

@@ -37,6 +37,7 @@ from shared.core.tasks import load_task
 from shared.techniques.deepspeed_setup import gathered_parameters
 from shared.techniques.quant import (
     COMPUTE_DTYPES,
+    check_linear_only,
     checkpoint_trainable_only,
     head_names,
     lora_grad_report,
@@ -96,6 +97,7 @@ def main(argv=None) -> dict:
     from transformers import BitsAndBytesConfig
     sharded = launch.run.sharded_params  # ZeRO-3 or FSDP: they place the (quantized) shards themselves
     task = load_task(launch, accelerator)
+    check_linear_only(task.model, RECIPE, f"quantizes (bitsandbytes, {args.load_in})")  # experts not nn.Linear
     out = Path(launch.output_dir)
 
     # The base checkpoint to quantize: the given one, or the preset model written out once.

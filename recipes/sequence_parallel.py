@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
         # token as one process on the whole sequence would.
         num_items = task.count_items(batch) / world
         chunk = sp.shard(batch, rank, world)  # this process's part of each sequence, labels shifted before the cut
-        loss = sp.loss(model, chunk, num_items)
+        loss = sp.loss(model, chunk, num_items, task)  # task: a mixture of experts' router loss too
         accelerator.backward(loss)
         if launch.max_grad_norm:
             accelerator.clip_grad_norm_(model.parameters(), launch.max_grad_norm)

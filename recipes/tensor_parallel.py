@@ -6,7 +6,11 @@ process holds 1/tp of the block weights, their gradients and their AdamW moments
 --tp_size N: a 2-D mesh (dp, tp) = (processes / N, N). TP inside each group of N, then FSDP2 (fully_shard over
 the "dp" dimension) across the groups, in torchtitan's order (TP, activation checkpointing, compile, FSDP); the
 groups read different batches. Unset: one group of all processes (a 1-D mesh, no data parallel).
-GPT-2, BERT and ViT models; gloo on CPU.
+The split follows the model's own plan where its config ships one (base_model_tp_plan: Llama, Qwen, Mistral,
+Mixtral ..., the embedding and head split over the vocabulary too), else the plans written here for GPT-2, BERT and
+ViT. gloo on CPU.
+    accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/tensor_parallel.py --task causal-lm \
+        --model_preset tiny-llama   # or --model_name_or_path <a local Llama / Qwen directory>
     accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/tensor_parallel.py --task causal-lm
     accelerate launch --config_file accelerate_configs/tp2_dp2.yaml recipes/tensor_parallel.py --tp_size 2
 Global batch = --per_device_train_batch_size x data-parallel groups. --checkpointing_steps: each process writes its
@@ -31,13 +35,13 @@ from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
 from shared.core.launch import entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
-from shared.core.models import transformer_layers
+from shared.core.models import model_config, transformer_layers
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import collect_results, write_results
 from shared.core.tasks import load_task
 from shared.techniques.tensor_parallel import (
-    PLANS,
+    apply_plan,
     checkpoint_dtensors,
     clip_grad_norm,
     family_of,
@@ -79,20 +83,17 @@ def main(argv=None) -> dict:
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     device = accelerator.device
     dp, tp = mesh_shape(accelerator.num_processes, args.tp_size)
+    # The model's own plan or ours; refused from its config (no plan, heads that do not split) before weights load.
+    family = family_of(model_config(args), tp, args.shard_vocab)
     task = load_task(launch, accelerator)  # the same seed on every process: each starts from the same whole model
     model = task.model.to(device)
 
     # ---- the technique: a (dp, tp) mesh, rank = dp_rank * tp + tp_rank; each block's matrices split over "tp"
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    family = family_of(model, tp)
     prepare_blocks(model, tp)  # GPT-2: Conv1D -> nn.Linear, its fused qkv grouped per process, heads per process
-    plan = {name: ColwiseParallel() if style == "colwise" else RowwiseParallel()
-            for name, style in PLANS[family].items()}
-    for block in transformer_layers(model):
-        parallelize_module(block, mesh["tp"], plan)  # the weights become DTensors: this process keeps its shard
+    plan = apply_plan(model, family, mesh["tp"])  # the weights become DTensors: this process keeps its shard
     if args.shard_vocab:
         shard_vocab(model, mesh["tp"])  # GPT-2's tied embedding and head: Shard(0) of one [vocab, hidden] matrix
     if args.gradient_checkpointing:  # then activation checkpointing (compile would come next)
@@ -142,7 +143,7 @@ def main(argv=None) -> dict:
     with accelerator.autocast():
         metrics = task.evaluate(model, eval_dl, accelerator)
     extras = {"tensor_parallel_size": tp, "data_parallel_size": dp, "mesh": mesh.mesh.tolist(),
-              "global_batch_size": args.per_device_train_batch_size * dp, "tp_plan": PLANS[family],
+              "global_batch_size": args.per_device_train_batch_size * dp, "tp_plan": plan,
               "first_batch_label_sum": gather_object([meter.extras.pop("first_batch_label_sum", None)]),
               "local_param_counts": gather_object([local_param_counts(model)])}  # per process: its shards + the rest
     results = collect_results(accelerator, launch, task, meter, metrics, extras)

@@ -49,9 +49,11 @@ def test_quick_sweep_gives_the_committed_outcomes(tmp_path):
     assert {r["status"] for r in rows} == {"works", "refused"}
     for r in rows:
         if r["status"] == "works":  # checked on the run itself by what_went_wrong: 2 processes, sharding, dtype
-            assert r["compute_dtype"] == "bfloat16" and r["trainable_params"] < 0.5 * 127_296
+            assert r["compute_dtype"] == "bfloat16" and r["trainable_params"] < 0.5 * r["total_params"]
+    assert any(r["model_type"] == "llama" for r in rows)  # one cell trains the Llama preset (replacing a GPT-2 one)
     table = (tmp_path / "compat.md").read_text()
-    assert "| zero3 |" in table and "## Why each combination is refused or broken" in table
+    assert "| fsdp |" in table and "## Why each combination is refused or broken" in table
+    assert "zero3 lora +ckpt bf16 tiny-llama ✓" in table  # the decoder presets' cells, listed under the grid
     assert (tmp_path / "compat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -30,9 +30,11 @@ def assert_same_training(eager: dict, compiled: dict) -> None:
     for key in ("initial_loss", "train_loss"):
         assert compiled[key] == pytest.approx(eager[key], rel=RTOL), (key, eager[key], compiled[key])
     assert compiled["train_loss"] < compiled["initial_loss"]
-    # Both runs report what compiling cost, so they compare: the first step carries the compile.
+    # Both runs report what compiling cost: the compiled run's first step carries the tracing. Not compared across
+    # the two runs: inductor's cache (warm after the first case) and a busy CPU can make an eager first step, with
+    # its own warm-up, as slow as a cached compile (CI measured 0.79 s eager against 0.52 s compiled).
     assert eager["steady_step_s"] > 0 and compiled["steady_step_s"] > 0
-    assert compiled["first_step_s"] > compiled["steady_step_s"] and compiled["compile_s"] > eager["compile_s"]
+    assert compiled["first_step_s"] > compiled["steady_step_s"] and compiled["compile_s"] > 0
 
 
 def assert_saved_under_its_own_names(eager_dir, compiled_dir) -> None:

@@ -13,12 +13,14 @@ from tests.test_reliability import _kill_tree, _start, _wait_for_checkpoint
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe,config", [("zero", "zero3.yaml"), ("zero", "zero2_offload.yaml"),
-                                           ("fsdp", "fsdp.yaml"), ("tensor_parallel", "multi_cpu.yaml")])
-def test_sharded_run_killed_resumes_to_the_same_parameters(recipe, config, tmp_path):
+@pytest.mark.parametrize("recipe,config,preset", [("zero", "zero3.yaml", "tiny"),
+                                                  ("zero", "zero2_offload.yaml", "tiny"),
+                                                  ("fsdp", "fsdp.yaml", "tiny-moe"),  # FSDP2 of Mixtral's blocks
+                                                  ("tensor_parallel", "multi_cpu.yaml", "tiny-llama")])  # its own plan
+def test_sharded_run_killed_resumes_to_the_same_parameters(recipe, config, preset, tmp_path):
     """kill -9 of every process of a sharded run after a checkpoint; `latest` resumes to the uninterrupted result."""
     args = ["--task", "causal-lm", "--max_train_steps", 16, "--checkpointing_steps", 4, "--max_train_samples", 128,
-            "--per_device_train_batch_size", 4, "--max_eval_samples", 16, "--disable_dropout"]
+            "--per_device_train_batch_size", 4, "--max_eval_samples", 16, "--disable_dropout", "--model_preset", preset]
     launch(recipe, tmp_path / "full", *args, config=config)
     proc = _start(tmp_path / "cut", *args, config=config, recipe=recipe)
     _wait_for_checkpoint(proc, tmp_path / "cut")

@@ -183,8 +183,12 @@ def test_refused_pairs_stop_before_loading_when_launched(recipe, config, tmp_pat
 @pytest.mark.parametrize("recipe, config, processes", [("qat", "multi_cpu.yaml", 2), ("optim_8bit", "bf16.yaml", 1),
                                                        ("activation_checkpointing", "multi_cpu.yaml", 2)])
 def test_allowed_pairs_train_as_asked_when_launched(recipe, config, processes, tmp_path):
-    r = launch(recipe, tmp_path, "--max_train_steps", 3, "--max_train_samples", 128, "--max_eval_samples", 32,
+    # One pair trains the mixture-of-experts decoder preset (DDP over 2 processes: its router loss reduced too).
+    moe = ["--task", "causal-lm", "--model_preset", "tiny-moe"] if recipe == "activation_checkpointing" else []
+    r = launch(recipe, tmp_path, *moe, "--max_train_steps", 3, "--max_train_samples", 128, "--max_eval_samples", 32,
                "--no_save_model", config=config)
+    if moe:
+        assert r["model_type"] == "mixtral" and r["router_aux_loss"] > 0
     assert r["num_processes"] == processes and len(r["param_fingerprint"]) == processes
     assert len(set(r["param_fingerprint"])) == 1  # replicas in sync
     assert r["train_loss"] is not None and r["mixed_precision"] == ("bf16" if "bf16" in config else "no")

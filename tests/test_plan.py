@@ -3,6 +3,7 @@ per-process predictions against the quick matrix's measured runs (tiny and base 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -42,7 +43,17 @@ def test_every_recipe_is_planned_or_says_why_not():
 
     from shared.core.rules import RECIPES
 
-    planned = {t.recipe for t in plan.TECHNIQUES}
+    rows = [*plan.TECHNIQUES, *plan.COMBINED]
+    assert all(plan.has_recipe(t) for t in rows), [t.name for t in rows if not plan.has_recipe(t)]
+    planned = {t.recipe for t in rows}
+    # the modelled layouts whose recipe this checkout lacks (EP while recipes/expert_parallel.py is written, HSDP)
+    # print no command; once the recipe and its catalogue entry land, their rows are planned like the others
+    for t in (plan.EXPERT_PARALLEL, plan.HSDP):
+        expected = (t.recipe in RECIPES and not RECIPES[t.recipe].not_planned
+                    and (ROOT / "recipes" / f"{t.recipe}.py").exists())
+        assert plan.has_recipe(t) == expected, t
+        if plan.has_recipe(t):
+            planned.add(t.recipe)
     assert planned <= set(RECIPES) and {r.recipe for r in matrix.RUNS} <= set(RECIPES)
     for name, entry in RECIPES.items():
         ways = {"own rows": name in planned, "plans_as": bool(entry.plans_as), "not_planned": bool(entry.not_planned)}
@@ -140,8 +151,9 @@ def test_offload_moves_states_to_host():
     assert off.host == pytest.approx(z3.weights + z3.optimizer + 4 * spec.num_params / 4)
     assert nvme.nvme > 0 and nvme.host < off.host
     lora = plan.predict(spec, by["qlora_4bit"], "bf16", 1, 1, 8)
-    # all-linear adapters: under 1% of the parameters train; NF4 blocks + the 16-bit embeddings: < 0.3x fp32 weights
-    assert lora.trainable < 0.01 * spec.num_params and lora.weights < 0.3 * 4 * spec.num_params
+    # all-linear adapters: under 1% of the parameters train; NF4 blocks (0.52 B/param) + the embeddings, which
+    # prepare_model_for_kbit_training keeps in fp32: GPT-2's 39M of 124M, so about 0.4x the fp32 weights
+    assert lora.trainable < 0.01 * spec.num_params and lora.weights < 0.45 * 4 * spec.num_params
 
 
 # ---------------------------------------------------------------- activations vs autograd's saved tensors
@@ -383,9 +395,10 @@ def test_memory_is_shown_in_gib(capsys):
 
 
 def test_nothing_fits_names_the_nearest_fits(capsys):
-    """GPT-2 base, batch 8 x 1024, on one 4 GB device: nothing fits; each suggested change fits, as printed."""
+    """GPT-2 base, batch 32 x 1024, on one 4 GB device: no row or combination fits (the activations alone exceed it);
+    each suggested change fits, as printed: a smaller batch, checkpointing, offload."""
     argv = ["--task", "causal-lm", "--model_preset", "base", "--gpu_memory", "4GB", "--seq_len", "1024",
-            "--per_device_batch_size", "8"]
+            "--per_device_batch_size", "32"]
     rows = plan.main(argv)
     out = capsys.readouterr().out
     print(out)
@@ -397,12 +410,12 @@ def test_nothing_fits_names_the_nearest_fits(capsys):
     nearest = plan.nearest_fits(plan.model_spec(config, args.task, "base"), args)
     changes = [change for change, _, _ in nearest]
     assert any(c.startswith("--per_device_train_batch_size") for c in changes), changes
+    assert any(c.startswith("activation checkpointing (") for c in changes), changes
     assert any(c.startswith("offload (") for c in changes), changes
-    assert any(c.startswith("2 GPUs instead of 1 (fsdp") for c in changes), changes
     usable = args.gpu_memory - args.reserve
     for change, pred, changed in nearest:
-        assert pred.device_peak <= usable and changed.per_device_batch_size < 8, change
-        assert plan.command(pred.technique, pred.precision, changed) in out
+        assert pred.device_peak <= usable and changed.per_device_batch_size < 32, change
+        assert plan.command(pred.technique, pred.precision, changed, pred.args) in out
         assert f"--per_device_train_batch_size {changed.per_device_batch_size} " in change + " "
     # Not even batch 1 on many devices: say what would have to change instead.
     plan.main([*argv, "--gpu_memory", "1.05GiB"])
@@ -439,7 +452,7 @@ def test_printed_command_trains_one_step(name, precision, gpus, capsys, tmp_path
     """The planner's command for the tiny model, run as printed (placeholders filled) for one step on this CPU."""
     from tests.conftest import free_port
 
-    _, commands = _planned(capsys, "--num_gpus", str(gpus))
+    _, commands = _planned(capsys, "--num_gpus", str(gpus), "--top", "0")  # every fit, not one per launch
     tech = next(t for t in plan.TECHNIQUES if t.name == name)
     args = plan.build_parser().parse_args(["--task", "causal-lm", "--seq_len", "32", "--per_device_batch_size", "4",
                                            "--num_gpus", str(gpus)])
@@ -530,3 +543,245 @@ def test_tensor_parallel_rows_are_the_measured_formula():
     names = {pred.technique.name for pred, _ in plan.plan(spec, plan.build_parser().parse_args(
         ["--model_preset", "base", "--task", "causal-lm", "--num_gpus", "1", "--gpus_per_node", "1"]))}
     assert not names & {"tensor_parallel", "tensor_parallel_fsdp"}
+
+
+# ---------------------------------------------------------------- today's models: built-in configs, decoders, MoE
+
+# The parameter counts the models' cards publish, to the digits given (cards round or truncate: within one unit of
+# the last digit); where a card is further off than that, the hub's count of the checkpoint's tensors (the model
+# page's "Model size"), with the card's in a comment. (total, active per token for a mixture of experts)
+PUBLISHED_SIZES: dict[str, tuple[str, str | None]] = {
+    "meta-llama/Llama-3.2-1B": ("1.23B", None),
+    "meta-llama/Llama-3.2-3B": ("3.21B", None),
+    "meta-llama/Llama-3.1-8B": ("8.03B", None),
+    "meta-llama/Llama-3.1-70B": ("70.6B", None),
+    "meta-llama/Meta-Llama-3-8B": ("8.03B", None),
+    "meta-llama/Meta-Llama-3-70B": ("70.6B", None),
+    "meta-llama/Llama-3.3-70B-Instruct": ("70.6B", None),
+    "Qwen/Qwen2.5-0.5B": ("0.49B", None),
+    "Qwen/Qwen2.5-1.5B": ("1.54B", None),
+    "Qwen/Qwen2.5-3B": ("3.09B", None),
+    "Qwen/Qwen2.5-7B": ("7.62B", None),  # card: 7.61B
+    "Qwen/Qwen2.5-14B": ("14.8B", None),  # card: 14.7B
+    "Qwen/Qwen2.5-32B": ("32.8B", None),  # card: 32.5B
+    "Qwen/Qwen2.5-72B": ("72.7B", None),
+    "Qwen/Qwen3-0.6B": ("0.6B", None),
+    "Qwen/Qwen3-1.7B": ("1.7B", None),
+    "Qwen/Qwen3-4B": ("4.0B", None),
+    "Qwen/Qwen3-8B": ("8.2B", None),
+    "Qwen/Qwen3-14B": ("14.8B", None),
+    "Qwen/Qwen3-32B": ("32.8B", None),
+    "Qwen/Qwen3-30B-A3B": ("30.5B", "3.3B"),
+    "mistralai/Mistral-7B-v0.1": ("7.24B", None),
+    "mistralai/Mistral-7B-v0.3": ("7.25B", None),
+    "mistralai/Mixtral-8x7B-v0.1": ("46.7B", "12.9B"),
+    "google/gemma-2b": ("2.51B", None),
+    "google/gemma-7b": ("8.54B", None),
+    "google/gemma-2-2b": ("2.61B", None),
+    "google/gemma-2-9b": ("9.24B", None),
+    "google/gemma-2-27b": ("27.2B", None),
+    "gpt2": ("124M", None),
+    "gpt2-medium": ("355M", None),
+    "gpt2-large": ("774M", None),
+    "gpt2-xl": ("1.5B", None),
+}
+
+
+def _within_published(counted: int, published: str) -> bool:
+    """Whether `counted` is the published size ("8.03B": within one unit of its last digit, 0.01B)."""
+    scale = {"B": 1e9, "M": 1e6}[published[-1]]
+    decimals = len(published[:-1].partition(".")[2])
+    return abs(counted - float(published[:-1]) * scale) <= 10**-decimals * scale
+
+
+def test_builtin_configs_match_published_sizes():
+    """Offline, a hub id of the built-in table (shared/tools/model_configs.py) is read from its published
+    config.json values; the parameters counted on the meta-device model round to the size the card publishes, and a
+    mixture of experts' active parameters (its experts_per_token of its experts) too."""
+    decoders = {k for k in plan.KNOWN_CONFIGS if not k.startswith(("bert", "google/vit"))}
+    assert decoders == set(PUBLISHED_SIZES), decoders ^ set(PUBLISHED_SIZES)
+    built: dict[str, str] = {}  # Llama 3 and 3.3 publish 3.1's dimensions: one build each
+    for name, (total, active) in PUBLISHED_SIZES.items():
+        dims = repr(sorted((k, v) for k, v in plan.KNOWN_CONFIGS[name][1].items() if k != "max_position_embeddings"))
+        if dims in built:
+            assert PUBLISHED_SIZES[built[dims]] == (total, active), (name, built[dims])
+            continue
+        built[dims] = name
+        config, task, source = plan.load_config(name, "tiny", None, None, None)
+        spec = plan.model_spec(config, task, source)
+        print(f"{name:<36} {spec.num_params / 1e9:8.3f}B (published {total}), active {spec.active_params / 1e9:.3f}B")
+        assert task == "causal-lm" and _within_published(spec.num_params, total), (name, spec.num_params, total)
+        assert _within_published(spec.active_params, active or total), (name, spec.active_params, active)
+        assert (spec.experts > 0) == (active is not None), name
+    # a fine-tuned variant is read as its base model's config
+    for variant, base in (("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B"),
+                          ("mistralai/Mistral-7B-Instruct-v0.3", "mistralai/Mistral-7B-v0.3"),
+                          ("google/gemma-2-9b-it", "google/gemma-2-9b")):
+        assert plan.known_config(variant)[0] == base
+    assert plan.known_config("org/not-a-model") is None
+
+
+DECODER_CASES = [  # (model type, precision, checkpointing)
+    ("llama", "fp32", False), ("llama", "bf16", True), ("mixtral", "bf16", False), ("qwen3", "fp32", False),
+    ("gemma2", "bf16", False),
+]
+
+
+@pytest.mark.parametrize("case", DECODER_CASES, ids=lambda c: f"{c[0]}-{c[1]}-ckpt{int(c[2])}")
+def test_decoder_activations_match_saved_tensors(case):
+    """The Llama-style accounting (RMSNorm, rotary, grouped-query attention, SwiGLU; Mixtral's routed experts, Qwen3's
+    q/k norms, Gemma-2's eager soft-capped attention) against the bytes autograd saves in one forward + loss on CPU."""
+    from transformers import CONFIG_MAPPING
+
+    kind, precision, ckpt = case
+    dims = dict(hidden_size=64, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=2, vocab_size=500, tie_word_embeddings=False)
+    extra = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0),
+             "qwen3": dict(head_dim=24), "gemma2": dict(head_dim=16)}.get(kind, {})
+    cfg = CONFIG_MAPPING[kind](**dims, **extra)
+    torch.manual_seed(0)
+    model = AUTO_CLASSES["causal-lm"].from_config(cfg).train()
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    b, s = 2, 32
+    ids = torch.randint(0, cfg.vocab_size, (b, s))
+    with saved_activation_bytes(model) as saved:
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        logits = logits.float()[:, :-1]
+        F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1)).backward()
+    spec = plan.model_spec(cfg, "causal-lm", kind)
+    assert spec.family == "decoder"
+    predicted = plan.activation_bytes(spec, b, s, precision, ckpt, kernels="cpu").saved
+    ratio = predicted / saved["bytes"]
+    print(f"{case}: measured {saved['bytes']:,} B, predicted {predicted:,.0f} B, ratio {ratio:.4f}")
+    assert predicted == pytest.approx(saved["bytes"], rel=0.03)
+
+
+def test_llama_and_moe_model_states_match_the_runs(tmp_path):
+    """The planner's parameter, gradient and AdamW-state bytes against results.json of 2-step runs of the decoder
+    presets: tiny-llama and tiny-moe trained in full (recipes/baseline.py), and tiny-moe with LoRA (recipes/combined.py
+    --lora: PEFT's all-linear adapts the experts' 3-D weights and the router too), within 5%."""
+    from tests.conftest import run_recipe
+
+    rows = {t.name: t for t in [*plan.TECHNIQUES, *plan.COMBINED]}
+    common = ("--task", "causal-lm", "--max_train_steps", 2, "--max_train_samples", 16, "--max_eval_samples", 4,
+              "--per_device_train_batch_size", 4, "--max_seq_length", 32, "--no_save_model")
+    for preset, recipe, flags, row in (("tiny-llama", "baseline", (), "baseline"),
+                                       ("tiny-moe", "baseline", (), "baseline"),
+                                       ("tiny-moe", "combined", ("--lora",), "ddp+lora")):
+        r = run_recipe(recipe, tmp_path / f"{preset}-{recipe}", *common, "--model_preset", preset, *flags)
+        config, task, _ = plan.load_config(None, preset, "causal-lm", None, None)
+        spec = plan.model_spec(config, task, preset)
+        assert spec.family == "decoder" and (spec.experts > 0) == (preset == "tiny-moe")
+        p = plan.predict(spec, rows[row], "fp32", 1, 4, 32, kernels="cpu")
+        if row != "baseline":
+            assert p.trainable == r["trainable_params"], (preset, row)
+        for key, predicted in (("param_bytes", p.weights), ("grad_bytes", p.grads),
+                               ("optimizer_state_bytes", p.optimizer)):
+            measured = r[key][0]
+            print(f"{preset:<11}{recipe:<9}{key:<22} measured {measured:>9,} predicted {predicted:>11,.0f} "
+                  f"ratio {predicted / measured:.4f}")
+            assert predicted == pytest.approx(measured, rel=0.05), (preset, recipe, key)
+
+
+def _speeds(out: str, title: str) -> list[float]:
+    """The speed column of one printed list of fits, in the order printed."""
+    section = out.split(title, 1)[1].split("\n\n", 1)[0]
+    return [float(line.split()[-1]) for line in section.splitlines()[2:] if line and not line.startswith(" ")]
+
+
+def test_cli_gpt2_xl_on_8_24gb_gpus_proposes_fsdp_bf16_checkpointing(capsys):
+    """gpt2-xl, batch 8 x 1024 on 8 x 24 GB: no single technique fits (FSDP alone needs ~45 GiB, mostly activations),
+    the combinations do: FSDP + bf16 + checkpointing is planned at batch 8, with the command that runs it; fits are
+    listed fastest first; a row that cannot run has one short reason, and --explain prints the rule in full."""
+    argv = ["--model_name_or_path", "gpt2-xl", "--num_gpus", "8", "--gpu_memory", "24GB", "--seq_len", "1024",
+            "--per_device_batch_size", "8"]
+    rows = plan.main(argv)
+    out = capsys.readouterr().out
+    print(out)
+    by_row = {p.row: (p, why) for p, why in rows}
+    fsdp, why = by_row["fsdp+ckpt:bf16"]
+    assert not why and fsdp.technique.recipe == "combined"
+    assert ("accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 8 recipes/combined.py "
+            "--task causal-lm --model_name_or_path gpt2-xl --per_device_train_batch_size 8 --max_seq_length 1024 "
+            "--mixed_precision bf16 --gradient_checkpointing") in out
+    alone, why = by_row["fsdp:bf16"]  # recipes/fsdp.py without checkpointing: the activations do not fit
+    assert why and "largest: activations" in why[-1] and alone.activations > 0.7 * alone.device_peak
+    assert not [p for p, why in rows if not why and not p.technique.checkpointing and not p.technique.adapters]
+    assert "Nothing fits" not in out
+    for title in ("Fits, full fine-tuning", "Fits, LoRA / QLoRA adapters"):
+        speeds = _speeds(out, title)
+        assert len(speeds) >= 3 and speeds == sorted(speeds), (title, speeds)
+    listing = out.split("Cannot run (", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    reasons = [line for line in listing if line.startswith(f"  {plan.CANNOT}")]
+    assert reasons and all(len(line) <= 120 and "Fix:" not in line for line in reasons), reasons
+    refused, why = next((p, why) for p, why in rows if any(w.startswith(plan.CANNOT) for w in why))
+    assert any(refused.row in line for line in listing)
+    plan.main([*argv, "--explain", refused.row])
+    explained = capsys.readouterr().out
+    print(explained)
+    assert all(w in explained for w in why) and "Fix:" in explained and "command (refused as it is):" in explained
+    with pytest.raises(SystemExit, match="no such row"):
+        plan.main([*argv, "--explain", "fsdp+ckpt:fp64"])
+
+
+def test_cli_llama_3_1_8b_on_8_80gb_gpus(capsys):
+    """Llama-3.1-8B offline, batch 2 x 4096 on 8 x 80 GB: read from the built-in config, trained as published (bf16
+    weights): DDP keeps bf16 states, FSDP with --mixed_precision bf16 fp32 masters, tensor parallel (the model's own
+    plan) splits every matrix, the embedding and the head; the rows that fit print commands of this checkout."""
+    rows = plan.main(["--model_name_or_path", "meta-llama/Llama-3.1-8B", "--num_gpus", "8", "--gpu_memory", "80GB",
+                      "--seq_len", "4096", "--per_device_batch_size", "2"])
+    out = capsys.readouterr().out
+    print(out)
+    assert "parameters: 8.03B" in out and "8 key/value heads" in out
+    by_row = {p.row: p for p, _ in rows}
+    psi = by_row["baseline:bf16"].trainable
+    assert by_row["baseline:bf16"].optimizer == pytest.approx(4 * psi, rel=0.001)  # bf16 moments, as loaded
+    assert by_row["fsdp:bf16"].weights == pytest.approx(4 * psi / 8)  # Accelerate upcasts FSDP2's masters
+    tp = by_row["tensor_parallel:bf16"]
+    assert tp.weights == pytest.approx(2 * psi / 8, rel=0.001)  # only the norms stay whole
+    fits = [p for p, why in rows if not why]
+    assert any(p.technique.tp for p in fits) and any(p.technique.sharding == "fsdp" for p in fits)
+    commands = [line.strip() for line in out.splitlines() if line.strip().startswith("accelerate launch")]
+    assert commands
+    for command in commands:
+        recipe = next(w for w in command.split() if w.endswith(".py"))
+        config = command.split("--config_file ")[1].split()[0]
+        assert (ROOT / recipe).exists() and (ROOT / config).exists(), command
+
+
+def test_moe_and_multi_node_layouts(capsys):
+    """Mixtral-8x7B: expert parallel holds 1/N of everything (experts whole, the rest FSDP2-sharded) and gathers no
+    expert; the rule table refuses it over more processes than experts and refuses quantizing the experts (not
+    nn.Linear). Two nodes add HSDP (modelled, no recipe). Llama-3.1-70B with no room on the host or NVMe for offload:
+    no full fine-tuning fits 8 x 80 GB, and the planner names the GPU count at which one does."""
+    config, task, source = plan.load_config("mistralai/Mixtral-8x7B-v0.1", "tiny", None, None, None)
+    spec = plan.model_spec(config, task, source)
+    args = plan.build_parser().parse_args(["--num_gpus", "8", "--seq_len", "4096", "--per_device_batch_size", "1"])
+    args.gpus_per_node, args.task = 8, task
+    by_row = {p.row: (p, why) for p, why in plan.plan(spec, args)}
+    ep, why = by_row["expert_parallel:bf16"]
+    fsdp, _ = by_row["fsdp:bf16"]
+    assert ep.weights == pytest.approx(2 * spec.num_params / 8)  # as loaded: transformers' FSDP2 keeps bf16
+    assert ep.buffers < fsdp.buffers  # FSDP gathers a whole block, experts and all
+    assert plan.has_recipe(ep.technique) or why[0].startswith(plan.NO_RECIPE)
+    assert any("quantizes" in w and "not nn.Linear" in w for w in by_row["qlora_4bit:bf16"][1])
+    args16 = argparse.Namespace(**{**vars(args), "num_gpus": 16})  # 2 nodes of 8
+    by_row = {p.row: (p, why) for p, why in plan.plan(spec, args16)}
+    from shared.core.rules import RECIPES
+
+    if plan.EXPERT_PARALLEL.recipe in RECIPES:  # the catalogue's rules weigh a modelled row too
+        assert any("experts per layer do not split over 16" in w for w in by_row["expert_parallel:bf16"][1])
+    hsdp, why = by_row["hsdp:bf16"]
+    assert hsdp.weights == pytest.approx(by_row["fsdp:bf16"][0].weights * 2) and why[0].startswith(plan.NO_RECIPE)
+
+    argv = ["--model_name_or_path", "meta-llama/Llama-3.1-70B", "--num_gpus", "8", "--gpu_memory", "80GB",
+            "--host_memory", "512GB", "--nvme_memory", "0", "--seq_len", "4096", "--per_device_batch_size", "1"]
+    rows = plan.main(argv)
+    out = capsys.readouterr().out
+    assert not [p for p, why in rows if not why and not p.technique.adapters]
+    assert [p for p, why in rows if not why and p.technique.adapters]
+    assert "No full fine-tuning fits as asked (the adapters above do)" in out
+    more = re.search(r"(\d+) GPUs instead of 8 \((\S+)\): ([\d.]+) GiB per device", out)
+    assert more and int(more[1]) > 8 and float(more[3]) * 2**30 <= plan.parse_bytes("80GB") - 2**30, out

@@ -26,6 +26,7 @@ ELSEWHERE = {  # recipe -> (test file, test function) that resumes it, exactly
     "pipeline_parallel": ("test_pipeline_parallel.py", "test_pipeline_killed_resumes_to_the_same_parameters"),
     "data_model_parallel": ("test_data_model_parallel.py", "test_resumes_every_stage_of_every_replica_exactly"),
     "sequence_parallel": ("test_sequence_parallel.py", "test_gpt2_trains_like_one_process_on_the_whole_sequence"),
+    "expert_parallel": ("test_expert_parallel.py", "test_two_processes_train_like_one_each_holding_half_the_experts"),
     "qlora": ("test_kill_quantized.py", "test_a_4bit_run_killed_resumes_its_adapters_exactly"),
     "combined": ("test_kill_quantized.py", "test_a_4bit_run_killed_resumes_its_adapters_exactly"),
 }

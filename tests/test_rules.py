@@ -146,7 +146,8 @@ _ASKS = [
     {"microbatches": 2, "batch_size": 4, "accumulation": 2},
     {"checkpoint_impl": "hf", "checkpoint_every": 2}, {"checkpoint_impl": "hf", "checkpoint_policy": "selective"},
     {"shard_vocab": True, "task": "image-classification"}, {"chunked_loss": True, "task": "text-classification"},
-    {"model_given": False},
+    {"model_given": False}, {"preset": "tiny-llama", "task": "image-classification"},
+    {"preset": "tiny-moe", "task": "text-classification"},
 ]
 _FACTS = [
     {"model_type": "llama", "tp_plans": ("gpt2", "bert")}, {"heads": 4, "mlp_width": 6, "tp_degree": 4},
@@ -156,6 +157,9 @@ _FACTS = [
     {"paged": True, "device": "cpu"}, {"head_kind": "None"}, {"logit_transform": "final_logit_softcapping=30.0"},
     {"head_calls": 2}, {"linear_head_needed": True, "head_kind": "Conv1D"},
     {"recipe": "fp8", "resolved_precision": "fp16", "fp8_backend": "None"}, {"fp8_converted": 0},
+    {"shard_vocab": True, "tp_plan_source": "own", "model_type": "llama"},
+    {"model_type": "gpt2", "ep_dispatch": False}, {"experts": 4, "ep_degree": 3},
+    {"recipe": "qat", "model_type": "mixtral", "linear_only": "fake-quantizes", "outside_linear": "mlp.experts"},
 ]
 
 

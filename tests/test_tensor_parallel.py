@@ -4,7 +4,6 @@ batches, each holding half of every split weight, and the consolidated save load
 import re
 
 import pytest
-import torch
 
 from shared.techniques.tensor_parallel import PLANS, _fused_qkv_order
 from tests.conftest import launch, load_params, max_param_diff, run_recipe
@@ -106,20 +105,48 @@ def test_refuses_what_it_does_not_do_yet(asks, match):
         check(Run(**{**run.__dict__, **asks}))
 
 
+@pytest.mark.slow
+def test_llama_splits_by_its_own_plan_like_one_process(tmp_path_factory):
+    """tiny-llama (4 query heads over 2 KV heads) by the plan its config ships: each of 2 processes takes 1 KV head
+    and its 2 queries, half of every block matrix and of the vocabulary; only the RMSNorm weights stay whole."""
+    args = (*COMMON, *BATCH, "--model_preset", "tiny-llama")
+    ref_dir, tp_dir = tmp_path_factory.mktemp("llama-baseline"), tmp_path_factory.mktemp("llama-tp")
+    ref = run_recipe("baseline", ref_dir, *args)
+    r = launch("tensor_parallel", tp_dir, *args)
+    from transformers import LlamaConfig
+
+    assert r["num_processes"] == 2 and r["tp_plan"]["model.layers.*.self_attn.k_proj"] == "colwise"
+    assert set(LlamaConfig.base_model_tp_plan) <= {k.removeprefix("model.") for k in r["tp_plan"]}
+    assert r["initial_loss"] == pytest.approx(ref["initial_loss"], rel=1e-6)
+    assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+    params = load_params(ref_dir)
+    diff = max_param_diff(params, load_params(tp_dir))
+    print(f"tiny-llama: max |param(2-process TP, own plan) - param(1 process)| after 6 steps = {diff:.2e}")
+    assert diff <= 1e-5
+    norms = sum(t.numel() for k, t in params.items() if "norm" in k)
+    counts = r["local_param_counts"]
+    assert [c["replicated"] for c in counts] == [norms] * 2
+    assert sum(c["sharded"] for c in counts) + norms == sum(t.numel() for t in params.values())
+    # an odd vocabulary: the embedding and the head each give one process a row more
+    assert abs(counts[0]["sharded"] - counts[1]["sharded"]) in (0, 2 * params["lm_head.weight"].shape[1])
+
+
 def test_refuses_a_model_without_a_plan_or_heads_that_do_not_split():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, OPTConfig
 
     from shared.core.models import preset_config
-    from shared.techniques.tensor_parallel import family_of
+    from shared.techniques.tensor_parallel import OWN, family_of
 
-    llama = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=32))
-    with pytest.raises(SystemExit, match="'llama'.*PLANS"):
-        family_of(llama, 2)
-    from transformers import AutoModelForCausalLM
-
-    gpt2 = AutoModelForCausalLM.from_config(preset_config("causal-lm", "tiny", vocab_size=50))
-    assert family_of(gpt2, 2) == "gpt2"
+    llama = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=32)
+    assert family_of(llama, 2) == OWN  # its config ships base_model_tp_plan
+    with pytest.raises(SystemExit, match=r"key/value heads \(2\) does not split over 4 processes"):
+        family_of(llama, 4)  # the 4 query heads would split, the 2 KV heads not
+    with pytest.raises(SystemExit, match="--shard_vocab with the llama model's own.*Drop --shard_vocab"):
+        family_of(llama, 2, shard_vocab=True)
+    with pytest.raises(SystemExit, match="'opt' model has no tensor-parallel plan.*base_model_tp_plan"):
+        family_of(OPTConfig(), 2)  # refused from the config: no weights were built
+    gpt2 = preset_config("causal-lm", "tiny", vocab_size=50)
+    assert family_of(gpt2, 2) == "gpt2" and family_of(gpt2, 2, shard_vocab=True) == "gpt2"
     with pytest.raises(SystemExit, match="does not split over 3 processes"):
         family_of(gpt2, 3)
-    assert torch.is_tensor(gpt2.transformer.h[0].attn.c_attn.weight)

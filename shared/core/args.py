@@ -7,6 +7,8 @@ import math
 import os
 from collections.abc import Callable, Sequence
 
+PRESETS = ("tiny", "base", "tiny-llama", "tiny-moe")  # --model_preset (shared/core/models.py builds them)
+
 TASKS = ("text-classification", "causal-lm", "image-classification")
 PACKING = ("concat", "per_document", "none")  # shared/core/packing.py
 # Resolved after parsing when --learning_rate is unset: fine-tuning pretrained weights (the Transformers examples'
@@ -106,9 +108,11 @@ def parse_args(
     g.add_argument("--task", default="text-classification", choices=TASKS)
     g.add_argument("--model_name_or_path", default=None,
                    help="Hub id or local directory. Unset: a model built from the --model_preset config (no download).")
-    g.add_argument("--model_preset", default="tiny", choices=("tiny", "base"),
+    g.add_argument("--model_preset", default="tiny", choices=PRESETS,
                    help="Used when --model_name_or_path is unset. tiny: trains in seconds on CPU. base: the dimensions "
-                        "of BERT-base / GPT-2 124M / ViT-B/16, random weights, for benchmarks.")
+                        "of BERT-base / GPT-2 124M / ViT-B/16, random weights, for benchmarks. tiny-llama, tiny-moe: "
+                        "a Llama-style decoder (RMSNorm, rotary, GQA, SwiGLU) and a Mixtral-style mixture of experts, "
+                        "for text tasks.")
     g.add_argument("--tokenizer_name", default=None, help="Defaults to --model_name_or_path; unset: built locally.")
     g.add_argument("--disable_dropout", action="store_true",
                    help="Set every dropout probability to 0: runs that differ only in batching then match exactly.")

@@ -228,7 +228,8 @@ def resolve_launch(
                      precision=mixed_precision, on_accelerator=not on_cpu,
                      accumulation=accumulation, max_grad_norm=clipping,
                      packing=args.packing if args.task == "causal-lm" else "none", compile=torch_compile,
-                     parallelism_config=rules.launched_parallelism(os.environ), **asks)
+                     parallelism_config=rules.launched_parallelism(os.environ),
+                     preset="" if args.model_name_or_path else args.model_preset, **{"task": args.task, **asks})
     rules.check(run)  # the rule table: refused here, with the reason and the fix
     check_environment(mixed_precision, uses_deepspeed=sharding.startswith("zero"))
     log_with = _trackers(args.report_to)

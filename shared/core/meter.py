@@ -39,6 +39,7 @@ class Meter:
         self.state: dict[str, int] | None = None
         self.extras: dict[str, object] = {}
         self.step_loss: torch.Tensor | None = None  # the last recorded step's loss
+        self.router_aux_loss: float | None = None  # a mixture of experts: the load-balancing loss, last logged
         # Steps with a non-finite loss, counted on the device and read (all processes summed) only when the meter
         # logs: no step that does not log waits on the host or on a collective for it (shared/core/guard.py).
         self._nonfinite = torch.zeros((), device=accelerator.device)
@@ -109,8 +110,14 @@ class Meter:
         window = torch.stack(self.window).mean().to(self.accelerator.device)
         preemption = self.launch.preemption
         votes = torch.tensor(preemption.received(), device=window.device)
-        values = torch.stack([window, self._nonfinite.float(), *votes])
+        # A mixture of experts: its router's load-balancing loss (the last batch's, the same on every process count).
+        aux = self.task.router_aux_loss
+        aux = [] if aux is None else [aux.float().to(window.device)]
+        values = torch.stack([window, self._nonfinite.float(), *aux, *votes])
         total, nonfinite, *received = self.accelerator.reduce(values, "sum").tolist()
+        if aux:
+            self.router_aux_loss = received.pop(0) / self.accelerator.num_processes
+            self.accelerator.log({"train/router_aux_loss": self.router_aux_loss}, step=step)
         preemption.agree(received)
         mean = total / self.accelerator.num_processes
         self.nonfinite_steps = int(nonfinite)
@@ -153,6 +160,7 @@ class Meter:
             "compute_dtype": self._read_dtype(),
             "optimizer_class": type(stepping_optimizer(self.optimizer)).__name__,
             "memory_trace_bytes": self.memory_trace,
+            **({"router_aux_loss": self.router_aux_loss} if self.router_aux_loss is not None else {}),
             **fields,
         }
         return self._summary

@@ -62,6 +62,7 @@ def collect_results(accelerator, launch: Launch, task, meter, metrics: dict, ext
         "recipe": launch.recipe,
         "task": task.name,
         "model": task.model_id,
+        "model_type": getattr(getattr(task.model, "config", None), "model_type", None),  # what was built: llama ...
         "data": task.data_source,
         "num_processes": accelerator.num_processes,
         "device": str(accelerator.device),

@@ -57,6 +57,9 @@ _NO = {  # --torch_compile: why these recipes refuse it (the others: not run com
                             "nothing would compile them"),
     "tensor_parallel": ("its blocks are split with parallelize_module outside accelerator.prepare(), so nothing would "
                         "compile them (DTensor blocks under inductor were not run here)"),
+    "expert_parallel": ("its model is distributed by Transformers' expert-parallel and FSDP2 plans outside "
+                        "accelerator.prepare(), so nothing would compile it (all-to-all dispatch under inductor was "
+                        "not run here)"),
     "zero": ("under DeepSpeed, Accelerate compiles the engine's module in place (engine.compile), which has not been "
              "run on this stack"),
     "zero3_offload": ("under DeepSpeed, Accelerate compiles the engine's module in place (engine.compile), which has "
@@ -68,9 +71,9 @@ _NOT_PLANNED = {  # why shared/tools/plan.py has no rows for these
     "ptq": "it does not train: it quantizes a trained model for serving",
     "model_parallel": "one model spread over several devices by one process is not modelled",
     "pipeline_parallel": "pipeline stages (each device's blocks and its micro-batches in flight) are not modelled",
-    "combined": "its combinations are modelled by the rows of the recipes that show each technique (zero, fsdp, qlora, "
-                "optim_8bit, activation_checkpointing)",
     "fp8": "FP8 weights, activations and scales (torchao's Float8Linear) are not modelled",
+    "expert_parallel": "experts split over the processes (each holds 1/N of them, tokens exchanged by all-to-all) "
+                       "and the routed tokens per expert are not modelled",
 }
 _SHARDED = "recipes/zero.py (ZeRO), recipes/fsdp.py (FSDP) or recipes/combined.py (this technique with sharding)"
 _ONE_OR_DDP = "a single process or DDP (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml)"
@@ -98,7 +101,7 @@ RECIPES: dict[str, Support] = {
                               not_planned=_NOT_PLANNED["model_parallel"], diff_budget=95),
     "pipeline_parallel": Support(shardings=("ddp",), min_processes=2, instead="accelerate_configs/pipeline.yaml",
                                  own_attention_mask=True, no_compile=_NO["pipeline_parallel"],
-                                 not_planned=_NOT_PLANNED["pipeline_parallel"], diff_budget=145),
+                                 not_planned=_NOT_PLANNED["pipeline_parallel"], diff_budget=152),  # 145 measured
     "data_model_parallel": Support(no_compile=_NO["data_model_parallel"], shardings=("ddp",), min_processes=4,
                                    instead="accelerate_configs/data_model_parallel.yaml", own_attention_mask=True,
                                    not_planned=_NOT_PLANNED["pipeline_parallel"], diff_budget=160),
@@ -113,6 +116,13 @@ RECIPES: dict[str, Support] = {
     "sequence_parallel": Support(shardings=("ddp",), min_processes=2, splits_sequence=True,
                                  instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
                                          "the sequence-parallel degree)", diff_budget=62),  # 56 measured
+    # Expert parallel (recipes/expert_parallel.py): the experts split over all processes, tokens sent to them by
+    # all-to-all, the dense weights FSDP2-sharded over the same processes, each reading its own batches.
+    "expert_parallel": Support(no_compile=_NO["expert_parallel"], shardings=("ddp",), min_processes=2,
+                               no_fp16="its loss scaler is not wired to the sharded gradients",
+                               instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
+                                       "the expert-parallel degree, a divisor of the experts per layer)",
+                               not_planned=_NOT_PLANNED["expert_parallel"], diff_budget=100),  # 92 measured
     "zero": Support(shardings=_ZERO, accumulates=True, instead="accelerate_configs/zero1.yaml, zero2.yaml, zero3.yaml",
                     no_compile=_NO["zero"], diff_budget=81),
     "zero3_offload": Support(no_compile=_NO["zero3_offload"], shardings=_ZERO, accumulates=True, needs_offload=True,
@@ -121,7 +131,7 @@ RECIPES: dict[str, Support] = {
     "fsdp": Support(shardings=("fsdp",), min_processes=2, instead="accelerate_configs/fsdp.yaml or fsdp_offload.yaml",
                     diff_budget=55),
     "qlora": Support(shardings=SHARDINGS, diff_budget=168),  # +4: its checkpoints keep the adapters (2026-12-01)
-    "combined": Support(shardings=SHARDINGS, not_planned=_NOT_PLANNED["combined"], diff_budget=150),
+    "combined": Support(shardings=SHARDINGS, diff_budget=150),  # planned: shared/tools/plan.py COMBINED
     # The head module's own hooks gather it (tests/test_chunked_loss.py).
     "chunked_loss": Support(shardings=SHARDINGS, diff_budget=63),
     # One process only (sharding "none" is never launched with more), found by running DDP over gloo with the hooks:
@@ -176,6 +186,8 @@ class Run:
     task: str = ""  # text-classification | causal-lm | image-classification ("": not checked)
     seq_len: int = 0  # --max_seq_length (0: not checked)
     microbatches: int = 0  # pipeline micro-batches per batch, --n_microbatches (0: not pipelined)
+    schedule_refuses: str = ""  # why the pipeline schedule cannot run that many (torch's words; "": it runs them)
+    schedule_takes: tuple[int, ...] = ()  # the nearest micro-batch counts it runs
     batch_size: int = 0  # --per_device_train_batch_size (0: not checked)
     checkpoint_impl: str = ""  # --checkpointing_impl as asked: hf | torch ("": unset, the recipe picks)
     checkpoint_every: int = 0  # checkpoint every k-th block (0: not checked)
@@ -183,6 +195,7 @@ class Run:
     shard_vocab: bool = False  # tensor parallel: the embedding and head split over the vocabulary too
     chunked_loss: bool = False  # the head's matmul and loss a chunk of tokens at a time
     model_given: bool = True  # --model_name_or_path was passed (False: the recipe's own fresh preset)
+    preset: str = ""  # --model_preset when no --model_name_or_path is given ("": a given model)
     # Facts known only once the model or the Accelerator is built: check_built(...) weighs them against the same
     # table (the defaults mean "not known", and no rule reads them then).
     model_type: str = ""  # config.model_type
@@ -192,7 +205,11 @@ class Run:
     kv_heads: int = 0  # key/value heads
     mlp_width: int = 0  # the MLP's hidden units
     tp_degree: int = 0  # processes the blocks split over (tensor parallel)
+    tp_plan_source: str = ""  # own (the config's base_model_tp_plan) | ours (tensor_parallel.py PLANS)
     sp_degree: int = 0  # processes each sequence splits over (Ulysses)
+    experts: int = 0  # experts per MoE layer
+    ep_dispatch: bool | None = None  # the config's base_model_ep_plan dispatches tokens to the experts (None: unknown)
+    ep_degree: int = 0  # processes the experts split over (expert parallel)
     layers: int = 0  # transformer blocks
     stages: int = 0  # pipeline stages
     devices: int = 0  # accelerator devices visible to the one process that drives them all
@@ -210,6 +227,8 @@ class Run:
     fp8_backend: str = ""  # Accelerator.fp8_backend's name
     fp8_converted: int = -1  # Linears converted to Float8Linear (-1: not known)
     fp8_kept: str = ""  # the Linears kept in high precision
+    linear_only: str = ""  # what the technique does to the blocks' nn.Linear layers, and to nothing else ("prunes")
+    outside_linear: str = ""  # the blocks' weights no nn.Linear holds (a mixture of experts' experts), in words
     flags: Mapping[str, str] = field(default_factory=dict)
 
     def flag(self, name: str) -> str:
@@ -289,11 +308,16 @@ RULES: tuple[Rule, ...] = (
          lambda r: "drop --torch_compile (and set dynamo_backend: NO in the launch config), or use a recipe that "
                    "compiles: " + ", ".join(f"recipes/{n}.py" for n, s in RECIPES.items() if s.compiles)),
     # Pipeline schedules (recipes/pipeline_parallel.py, data_model_parallel.py) split each batch into micro-batches.
-    Rule(lambda r: r.microbatches > 0 and r.batch_size % r.microbatches,
-         lambda r: f"--per_device_train_batch_size {r.batch_size} is not divisible by --n_microbatches "
-                   f"{r.microbatches}: the schedule splits each batch into that many equal micro-batches",
-         lambda r: "pick a batch size that is a multiple of it (e.g. --per_device_train_batch_size "
-                   f"{r.microbatches * max(1, r.batch_size // r.microbatches)}), or fewer --n_microbatches"),
+    # A count the schedule itself cannot run (torch's schedule classes say which: recipes/pipeline_parallel.py asks).
+    Rule(lambda r: r.microbatches > 0 and bool(r.batch_size % r.microbatches or r.schedule_refuses),
+         lambda r: (f"--per_device_train_batch_size {r.batch_size} is not divisible by --n_microbatches "
+                    f"{r.microbatches}: the schedule splits each batch into that many equal micro-batches")
+         if r.batch_size % r.microbatches else (f"{r.flag('schedule')} cannot run --n_microbatches {r.microbatches} "
+                                                f"on {r.num_processes} processes (torch: {r.schedule_refuses})"),
+         lambda r: ("pick a batch size that is a multiple of it (e.g. --per_device_train_batch_size "
+                    f"{r.microbatches * max(1, r.batch_size // r.microbatches)}), or fewer --n_microbatches")
+         if r.batch_size % r.microbatches else (f"pass --n_microbatches {' or '.join(map(str, r.schedule_takes))} "
+                                                "(and a --per_device_train_batch_size it divides)")),
     Rule(lambda r: r.microbatches > 0 and r.accumulation > 1,
          lambda r: f"--gradient_accumulation_steps {r.accumulation}: recipes/{r.recipe}.py's micro-batches already "
                    "accumulate (the schedule sums their gradients before each step)",
@@ -425,6 +449,15 @@ RULES: tuple[Rule, ...] = (
          lambda r: "--checkpointing_impl hf checkpoints every block whole: --checkpoint_every > 1 and "
                    "--checkpointing_policy selective need --checkpointing_impl torch",
          lambda r: "pass --checkpointing_impl torch (or leave it unset)"),
+    Rule(lambda r: r.preset in ("tiny-llama", "tiny-moe") and r.task == "image-classification",
+         lambda r: f"--model_preset {r.preset} is a decoder for text (Llama / Mixtral style), and --task "
+                   "image-classification needs an image model",
+         lambda r: "pass --task causal-lm or text-classification, or --model_preset tiny (ViT) for images"),
+    Rule(lambda r: r.preset == "tiny-moe" and r.task == "text-classification",
+         lambda r: "--model_preset tiny-moe with --task text-classification: Transformers' "
+                   "MixtralForSequenceClassification returns no router aux_loss, so the router's load-balancing loss "
+                   "would silently not train",
+         lambda r: "use --task causal-lm for the mixture of experts, or --model_preset tiny-llama to classify text"),
     Rule(lambda r: r.shard_vocab and r.task not in ("", "causal-lm"),
          lambda r: f"{r.flag('shard_vocab')} with --task {r.task}: only the causal LM has a vocabulary-sized head; "
                    "BERT's and ViT's heads are classifiers of num_labels outputs, too small to split",
@@ -435,12 +468,20 @@ RULES: tuple[Rule, ...] = (
          lambda r: f"pass --task causal-lm, or use recipes/baseline.py for {r.task}"),
     # ---- Rules on what only shows once the model or the Accelerator is built: check_built(fact=...).
     Rule(lambda r: bool(r.model_type and r.tp_plans) and r.model_type not in r.tp_plans,
-         lambda r: f"Tensor parallel plans are written for {sorted(r.tp_plans)} models; this one is {r.model_type!r}",
+         lambda r: f"The {r.model_type!r} model has no tensor-parallel plan: its config ships no base_model_tp_plan "
+                   f"(Llama, Qwen, Mistral and Mixtral do), and shared/techniques/tensor_parallel.py PLANS has one "
+                   f"for {sorted(r.tp_plans)} only",
          lambda r: "add its block's column/row-wise modules to shared/techniques/tensor_parallel.py PLANS, or use "
                    "recipes/fsdp.py (it shards any model)", built=True),
-    Rule(lambda r: r.tp_degree > 0 and bool(_unsplit(r, r.tp_degree, heads=r.heads, mlp_width=r.mlp_width)),
-         lambda r: f"The model's {_unsplit(r, r.tp_degree, heads=r.heads, mlp_width=r.mlp_width)} does not split "
-                   f"over {r.tp_degree} processes (each takes an equal share of the heads and of the MLP's units)",
+    Rule(lambda r: r.shard_vocab and r.tp_plan_source == "own",
+         lambda r: f"{r.flag('shard_vocab')} with the {r.model_type} model's own tensor-parallel plan: that plan "
+                   "already splits the embedding and the head over the vocabulary, and gathers the logits for the loss",
+         lambda r: f"drop {r.flag('shard_vocab')} (the vocabulary is split without it)", built=True),
+    Rule(lambda r: r.tp_degree > 0 and bool(_unsplit(r, r.tp_degree, heads=r.heads, kv_heads=r.kv_heads,
+                                                      mlp_width=r.mlp_width)),
+         lambda r: f"The model's {_unsplit(r, r.tp_degree, heads=r.heads, kv_heads=r.kv_heads, mlp_width=r.mlp_width)}"
+                   f" does not split over {r.tp_degree} processes (each takes an equal share of the heads, of the "
+                   "key/value heads and of the MLP's units)",
          lambda r: "launch a divisor of it (--num_processes, or --tp_size), or pick a model whose heads and MLP width "
                    "it divides", built=True),
     Rule(lambda r: r.sp_degree > 0 and bool(_unsplit(r, r.sp_degree, heads=r.heads, kv_heads=r.kv_heads)),
@@ -448,14 +489,26 @@ RULES: tuple[Rule, ...] = (
                    f"{r.sp_degree} processes: Ulysses gives each process heads/N of them",
          lambda r: "launch a divisor of the head count (--num_processes), or pick a model whose heads it divides",
          built=True),
+    Rule(lambda r: r.ep_dispatch is False,
+         lambda r: f"The {r.model_type or 'model'} config has no expert-parallel plan that dispatches tokens to "
+                   "experts (config.base_model_ep_plan with an 'ep_dispatch_experts' rule): it is not a mixture of "
+                   "experts that Transformers can split",
+         lambda r: "use --model_preset tiny-moe or a mixture-of-experts model whose config has one (Mixtral, "
+                   "Qwen-MoE, DeepSeek-V3, ...), or recipes/fsdp.py to shard a dense model", built=True),
+    Rule(lambda r: r.ep_degree > 0 and bool(_unsplit(r, r.ep_degree, experts=r.experts)),
+         lambda r: f"The model's {r.experts} experts per layer do not split over {r.ep_degree} processes (each "
+                   "holds an equal share of them, whole)",
+         lambda r: "launch a divisor of it (--num_processes), or pick a model whose expert count it divides",
+         built=True),
     Rule(lambda r: bool(r.model_type and r.stage_families) and r.model_type not in r.stage_families,
          lambda r: f"Pipeline stages are written for {sorted(r.stage_families)} models; this one is "
                    f"{r.model_type!r}",
          lambda r: "add its embeddings and head to shared/techniques/pipeline_stages.py FAMILIES and Stage.forward",
          built=True),
     Rule(lambda r: r.stages > 0 and 0 < r.layers < r.stages,
-         lambda r: f"The model has {r.layers} blocks, fewer than the {r.stages} stages",
-         lambda r: "use fewer processes/devices or a deeper model (--model_preset base)", built=True),
+         lambda r: f"The model has {r.layers} blocks, fewer than the {r.stages} stages"
+                   + (f" ({r.flags['stages']})" if r.flags.get("stages") else ""),
+         lambda r: "use fewer processes/devices or stages, or a deeper model (--model_preset base)", built=True),
     Rule(lambda r: r.devices >= 2 and r.stages > r.devices,
          lambda r: f"{r.flag('stages')} {r.stages} but only {r.devices} {r.device_kind} devices: each stage needs "
                    "its own",
@@ -499,12 +552,20 @@ RULES: tuple[Rule, ...] = (
                    "bf16",
          lambda r: "use a model built from nn.Linear (BERT, ViT, Llama), or recipes/mixed_precision.py "
                    "--mixed_precision bf16", built=True),
+    # Mixtral's experts are 3-D parameters, no nn.Linear (found by benchmarks/decoder_presets.py)
+    Rule(lambda r: bool(r.linear_only and r.outside_linear),
+         lambda r: f"recipes/{r.recipe}.py {r.linear_only} the nn.Linear layers of the transformer blocks, and the "
+                   f"{r.model_type or 'model'} blocks' {r.outside_linear} are not nn.Linear layers (a mixture of "
+                   "experts' stacked expert weights and router): they would silently stay as they are",
+         lambda r: "use a dense model (--model_preset tiny-llama, or a Llama / Mistral / GPT-2 checkpoint), or train "
+                   "the mixture of experts in full precision: recipes/baseline.py, zero.py, fsdp.py, or "
+                   "recipes/combined.py --lora (PEFT's LoRA adapts the experts too)", built=True),
 )
 
 
 def _unsplit(r: Run, degree: int, **sizes: int) -> str:
     """The first of `sizes` that `degree` does not divide, in words ("": all split)."""
-    words = {"heads": "attention heads", "kv_heads": "key/value heads", "mlp_width": "MLP width"}
+    words = {"heads": "attention heads", "kv_heads": "key/value heads", "mlp_width": "MLP width", "experts": "experts"}
     return next((f"{words[k]} ({v})" for k, v in sizes.items() if v and v % degree), "")
 
 

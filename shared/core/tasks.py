@@ -37,6 +37,7 @@ class Task:
     packing: str = "none"  # causal LM: how documents became samples (shared/core/packing.py)
     processor: object | None = None  # image models: the image processor a pipeline needs beside the weights
     stats: dict[str, object] = field(default_factory=dict)  # what the training data holds, for results.json
+    router_aux_loss: torch.Tensor | None = None  # a mixture of experts: the last batch's load-balancing loss
 
     # ---- loss: a sum over items divided by a count, so accumulation can normalize over the whole global batch
     def count_items(self, batch: dict) -> torch.Tensor:
@@ -44,9 +45,23 @@ class Task:
         return losses.count_items(self.name, batch["labels"])
 
     def loss(self, model: nn.Module, batch: dict, num_items: torch.Tensor | float | None = None) -> torch.Tensor:
-        """Summed cross-entropy over the batch divided by `num_items` (default: this batch's own count)."""
-        total = losses.summed_loss(self.name)(model(**self._inputs(batch)).logits, batch["labels"])
-        return total / (self.count_items(batch) if num_items is None else num_items)
+        """Summed cross-entropy over the batch divided by `num_items` (default: this batch's own count). A mixture
+        of experts adds its router's load-balancing loss (router_aux_loss_coef x aux_loss), weighted by this batch's
+        share of the items, so accumulated or data-parallel batches add up to one global batch's."""
+        out = model(**self._inputs(batch))
+        count = self.count_items(batch)
+        total = losses.summed_loss(self.name)(out.logits, batch["labels"]) / (count if num_items is None else num_items)
+        return total + self.router_loss(out, count, num_items)
+
+    def router_loss(self, out: object, count: torch.Tensor, num_items: torch.Tensor | float | None
+                    ) -> torch.Tensor | float:
+        """router_aux_loss_coef x the model output's aux_loss, x this batch's share (count of num_items) of the
+        items; 0 for a model without one. Also for losses computed outside Task.loss (chunked, sequence parallel)."""
+        aux = getattr(out, "aux_loss", None)  # set when the config has output_router_logits (tiny-moe does)
+        if aux is None:
+            return 0.0
+        self.router_aux_loss = aux.detach()  # the meter reports it (shared/core/meter.py)
+        return self.model.config.router_aux_loss_coef * aux * (1.0 if num_items is None else count / num_items)
 
     def _inputs(self, batch: dict) -> dict:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -109,9 +124,7 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None) -
     models.check_model_path(args.model_name_or_path)
     # The model must serve the task, and its position embeddings the sequence length: checked before the data is
     # read and tokenized (the preset's positions are those of the model built later).
-    config = (models.load_pretrained_config(args) if args.model_name_or_path
-              else models.preset_config(args.task, args.model_preset))
-    models.check_positions(config, args.max_seq_length)
+    models.check_positions(models.model_config(args), args.max_seq_length)
     if args.text_pair_column and args.task != "text-classification":
         raise SystemExit(f"--text_pair_column serves --task text-classification (sentence pairs), not {args.task}. "
                          "Drop it, or pass --task text-classification.")
@@ -238,8 +251,8 @@ def _text_classification(args, accelerator, train_raw, val_raw, source, batches:
 
 
 def _vocab(tokenizer, args) -> int:
-    """The tiny preset sizes its embedding to the local tokenizer; base keeps the real model's vocabulary."""
-    return len(tokenizer) if args.model_preset == "tiny" else max(len(tokenizer), 30522)
+    """The tiny presets size their embedding to the local tokenizer; base keeps the real model's vocabulary."""
+    return len(tokenizer) if args.model_preset.startswith("tiny") else max(len(tokenizer), 30522)
 
 
 class CausalCollator:

@@ -111,14 +111,16 @@ def _head_as_identity(head: nn.Module) -> Iterator[list[torch.Tensor]]:
             handle.remove()
 
 
-def final_hidden_states(model: nn.Module, head: nn.Module, batch: dict) -> torch.Tensor:
-    """The hidden states the model's head turns into logits (after the final norm), from the model's own forward."""
+def final_hidden_states(model: nn.Module, head: nn.Module, batch: dict) -> tuple[torch.Tensor, object]:
+    """The hidden states the model's head turns into logits (after the final norm), from the model's own forward;
+    and that forward's output (a mixture of experts' aux_loss is on it)."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     with _head_as_identity(head) as seen:
-        hidden = model(**inputs, use_cache=False).logits  # no KV cache in training (as Task.loss)
+        out = model(**inputs, use_cache=False)  # no KV cache in training (as Task.loss)
+    hidden = out.logits
     if len(seen) != 1 or hidden.shape != seen[0].shape:  # the facts cost nothing to gather when they are as expected
         rules.check_built(head_calls=len(seen), head_reshaped=bool(seen) and hidden.shape != seen[0].shape)
-    return hidden
+    return hidden, out
 
 
 def _whole_copy(head: nn.Module) -> nn.Linear:
@@ -143,6 +145,7 @@ class ChunkedLoss:
 
     chunk_size: int
     max_tokens: int  # per-device batch x max_seq_length: the most tokens one batch can hold
+    task: object | None = None  # the Task: a mixture of experts' router loss is added (Task.router_loss) and reported
 
     @property
     def num_chunks(self) -> int:
@@ -152,8 +155,14 @@ class ChunkedLoss:
 
     def __call__(self, model: nn.Module, batch: dict, num_items: torch.Tensor | float) -> torch.Tensor:
         head = output_head(model)
-        hidden = final_hidden_states(model, head, batch)
-        return chunked_cross_entropy(hidden, batch["labels"], head, self.num_chunks) / num_items
+        hidden, out = final_hidden_states(model, head, batch)
+        loss = chunked_cross_entropy(hidden, batch["labels"], head, self.num_chunks) / num_items
+        if getattr(out, "aux_loss", None) is None:
+            return loss
+        if self.task is None:  # the router's load-balancing loss would silently not train
+            raise ValueError("The model returns a router aux_loss (a mixture of experts): pass ChunkedLoss(..., "
+                             "task=task) so that it is added to the loss as Task.loss adds it")
+        return loss + self.task.router_loss(out, self.task.count_items(batch), num_items)
 
     def measure_first_batch(self, accelerator, model: nn.Module, batches: Iterator[dict]
                             ) -> tuple[dict[str, object], Iterator[dict]]:
@@ -175,7 +184,7 @@ class ChunkedLoss:
         was_training = model.training
         model.eval()  # no dropout: the measurement draws nothing from the RNG the training steps' dropout uses
         with torch.no_grad():
-            hidden = final_hidden_states(model, head, batch)
+            hidden, _ = final_hidden_states(model, head, batch)
         model.train(was_training)
         local = _whole_copy(head)
         hidden, labels = hidden.detach().requires_grad_(), batch["labels"]

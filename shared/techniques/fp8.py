@@ -52,6 +52,12 @@ def check_fp8_resolved(accelerator: Accelerator) -> None:
 def fp8_summary(accelerator: Accelerator, model: torch.nn.Module) -> dict:
     """After prepare: the results.json fields. Stops when nothing was converted (e.g. GPT-2, whose blocks are Conv1D,
     not nn.Linear): that run would be plain bf16 under an fp8 label."""
-    converted, kept = layer_precisions(accelerator.unwrap_model(model))
+    from .quant import weights_outside_linear
+
+    inner = accelerator.unwrap_model(model)
+    converted, kept = layer_precisions(inner)
     rules.check_built("fp8", fp8_converted=len(converted), fp8_kept=str(kept or ""))
+    # A mixture of experts' experts are not nn.Linear: they would run in bf16 under the fp8 label.
+    rules.check_built("fp8", model_type=inner.config.model_type, linear_only="converts to Float8Linear",
+                      outside_linear=weights_outside_linear(inner))
     return {"fp8_linears": len(converted), "fp8_linear_names": converted, "kept_high_precision": kept}

@@ -1,4 +1,5 @@
-"""Cutting a model into pipeline stages: which blocks each stage runs, and each family's stage forward.
+"""Cutting a model into pipeline stages: which blocks each stage runs, and each family's stage forward; which
+stages each process holds under a schedule, and the schedule's bubble (the share of the processes' time spent idle).
 
 A stage keeps only its own parameters: the other stages' blocks, and the embeddings or head it does not run, are
 replaced by empty modules, so parameter names stay those of the whole model (a stage saves under the model's names).
@@ -6,7 +7,9 @@ replaced by empty modules, so parameter names stay those of the whole model (a s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,11 +26,15 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "gpt2": (("transformer.wte", "transformer.wpe", "transformer.drop"), ("transformer.ln_f", "lm_head")),
     "bert": (("bert.embeddings",), ("bert.pooler", "dropout", "classifier")),
     "vit": (("vit.embeddings",), ("vit.layernorm", "classifier")),
+    # Llama-style decoders: every stage keeps rotary_emb (no parameters), which gives each block its position_embeddings
+    "llama": (("model.embed_tokens",), ("model.norm", "lm_head")),
 }
 
 
-def split_layers(num_layers: int, num_stages: int, layers_per_stage: str | None = None) -> list[range]:
-    """Block indices per stage: an explicit comma-separated count per stage ("1,3"), or an even split."""
+def split_layers(num_layers: int, num_stages: int, layers_per_stage: str | None = None,
+                 stages_named: str = "") -> list[range]:
+    """Block indices per stage: an explicit comma-separated count per stage ("1,3"), or an even split.
+    `stages_named`: what set the stage count, for a refusal ("--schedule zbv: 2 stages on each of the 2 processes")."""
     if layers_per_stage:
         try:
             counts = [int(c) for c in layers_per_stage.split(",")]
@@ -37,7 +44,8 @@ def split_layers(num_layers: int, num_stages: int, layers_per_stage: str | None 
             raise SystemExit(f"--layers_per_stage {layers_per_stage!r} must give {num_stages} stages of at least one "
                              f"block each, {num_layers} blocks in all (the model has {num_layers}).")
     else:
-        rules.check_built(layers=num_layers, stages=num_stages)  # shared/core/rules.py: at least a block a stage
+        # shared/core/rules.py: at least a block a stage
+        rules.check_built(layers=num_layers, stages=num_stages, flags={"stages": stages_named} if stages_named else {})
         base, extra = divmod(num_layers, num_stages)
         counts = [base + (1 if i < extra else 0) for i in range(num_stages)]
     starts = [sum(counts[:i]) for i in range(num_stages)]
@@ -46,12 +54,22 @@ def split_layers(num_layers: int, num_stages: int, layers_per_stage: str | None 
 
 def family_of(model: nn.Module) -> str:
     kind = model.config.model_type
+    if kind in FAMILIES and not all(_has(model, name) for ends in FAMILIES[kind] for name in ends):
+        kind = f"{kind} ({type(model).__name__})"  # another head than the one written here (a Llama classifier)
     rules.check_built(model_type=kind, stage_families=tuple(FAMILIES))  # shared/core/rules.py
     return kind
 
 
+def _has(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 class Stage(nn.Module):
-    """One pipeline stage of a GPT-2, BERT or ViT model: [embeddings] + its blocks + [final norm and head]."""
+    """One pipeline stage of a GPT-2, Llama, BERT or ViT model: [embeddings] + its blocks + [final norm and head]."""
 
     def __init__(self, model: nn.Module, layers: range, is_first: bool, is_last: bool):
         super().__init__()
@@ -80,6 +98,18 @@ class Stage(nn.Module):
             for i in self.layers:
                 h = self.blocks[i](h, None, mask, None, use_cache=False, position_ids=pos)
             return m.lm_head(t.ln_f(h)) if self.is_last else h
+        if self.kind == "llama":
+            from transformers.masking_utils import create_causal_mask
+
+            d = m.model
+            h = d.embed_tokens(x) if self.is_first else x
+            pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            mask = create_causal_mask(config=cfg, inputs_embeds=h, attention_mask=attention_mask, cache=None,
+                                      position_ids=pos)
+            rotary = d.rotary_emb(h, position_ids=pos)  # (cos, sin): recomputed per stage, as cheap as sending it
+            for i in self.layers:
+                h = self.blocks[i](h, attention_mask=mask, position_embeddings=rotary, position_ids=pos)
+            return m.lm_head(d.norm(h)) if self.is_last else h
         if self.kind == "bert":
             b = m.bert
             h = b.embeddings(input_ids=x) if self.is_first else x
@@ -95,11 +125,164 @@ class Stage(nn.Module):
         return m.classifier(v.layernorm(h)[:, 0, :]) if self.is_last else h
 
 
+TIED = {"gpt2": ("transformer.wte", "lm_head"), "llama": ("model.embed_tokens", "lm_head")}  # embedding, head
+
+
 def tied_weight(stage: Stage) -> nn.Parameter | None:
-    """GPT-2 ties lm_head to the token embedding: the first and last stages each hold a copy of that one weight."""
-    if stage.kind != "gpt2" or not stage.model.config.tie_word_embeddings or stage.is_first == stage.is_last:
+    """GPT-2 (and a Llama with tie_word_embeddings) ties lm_head to the token embedding: the first and last stages
+    each hold a copy of that one weight."""
+    if stage.kind not in TIED or not stage.model.config.tie_word_embeddings or stage.is_first == stage.is_last:
         return None
-    return stage.model.transformer.wte.weight if stage.is_first else stage.model.lm_head.weight
+    return stage.model.get_submodule(TIED[stage.kind][0 if stage.is_first else 1]).weight
+
+
+class Stages(nn.ModuleList):
+    """The stages one process holds under a multi-stage schedule (2: interleaved or V-shaped), as one module for the
+    optimizer, the checkpoint, the meter and evaluation. `indices`: their places in the pipeline."""
+
+    def __init__(self, stages: Sequence[Stage], indices: Sequence[int]):
+        super().__init__(stages)
+        self.indices = list(indices)
+
+    @property
+    def is_first(self) -> bool:  # it holds the embeddings: it takes the batch's inputs
+        return any(s.is_first for s in self)
+
+    @property
+    def is_last(self) -> bool:  # it holds the head: it takes the labels and computes the loss
+        return any(s.is_last for s in self)
+
+
+def stage_list(stage: Stage | Stages) -> list[Stage]:
+    return list(stage) if isinstance(stage, Stages) else [stage]
+
+
+VIRTUAL_STAGES = 2  # stages a process holds under a multi-stage schedule (ZBV and DualPipeV take exactly 2)
+V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")  # the pipeline runs down the processes and back up
+
+
+def stages_per_process(schedule_cls: type) -> int:
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    return 1 if issubclass(schedule_cls, PipelineScheduleSingle) else VIRTUAL_STAGES
+
+
+def build_stages(model: nn.Module, owners: Mapping[int, Sequence[int]], rank: int, layers_per_stage: str | None = None,
+                 flag: str = "") -> tuple[Stage | Stages, list[range]]:
+    """This process's stages of `model` (owners: process_stages), and every stage's blocks (split_layers; `flag`
+    names what set the stage count, for a refusal): one Stage, or Stages, each from its own copy of the model (the
+    last takes the model itself)."""
+    mine, num_stages = owners[rank], sum(map(len, owners.values()))
+    named = f"{flag}: {len(mine)} stages on each of the {len(owners)} processes" if flag and len(mine) > 1 else ""
+    layers = split_layers(len(transformer_layers(model)), num_stages, layers_per_stage, named)
+    built = [Stage(model if k == len(mine) - 1 else copy.deepcopy(model), layers[i], is_first=i == 0,
+                   is_last=i == num_stages - 1) for k, i in enumerate(mine)]
+    return (built[0] if len(built) == 1 else Stages(built, mine)), layers
+
+
+def schedule_order(schedule_cls: type, processes: int, n_microbatches: int) -> dict[int, list]:
+    """Each process's actions under the schedule (its pipeline_order), made by torch's own schedule builder, which
+    needs no process group. torch's ValueError for a micro-batch count the schedule cannot run."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    return dict(enumerate(get_schedule_ops(schedule_cls, processes, n_microbatches, stages_per_process(schedule_cls))))
+
+
+def process_stages(schedule_cls: type, run: rules.Run) -> dict[int, list[int]]:
+    """Process -> the pipeline stages it holds, read from the schedule's own action lists: one each, or 2 of 2P,
+    interleaved r and r + P, V-shaped r and 2P - 1 - r (process 0 holds both ends). A micro-batch count the schedule
+    cannot run is refused by the rule table (shared/core/rules.py), with the nearest counts it runs, before anything
+    loads. `run`: the launch's rules.Run (its processes, --n_microbatches, flags)."""
+
+    def runs(n: int) -> bool:
+        try:
+            return bool(schedule_order(schedule_cls, run.num_processes, n))
+        except ValueError:
+            return False
+
+    try:
+        order = schedule_order(schedule_cls, run.num_processes, run.microbatches)
+    except ValueError as err:
+        below = next((n for n in range(run.microbatches - 1, 0, -1) if runs(n)), None)
+        above = next((n for n in range(run.microbatches + 1, run.microbatches + 8 * run.num_processes) if runs(n)),
+                     None)
+        rules.check(replace(run, schedule_refuses=str(err).rstrip("."),
+                            schedule_takes=tuple(n for n in (below, above) if n is not None)))
+        raise  # the table refuses it above
+    return {rank: sorted({op.stage_index for a in filter(None, actions) for op in a.sub_actions or (a,)})
+            for rank, actions in order.items()}
+
+
+def bubble_fraction(order: Mapping[int, Sequence], stage_blocks: Sequence[int]) -> float:
+    """The share of the processes' time a schedule leaves idle, from its action lists (torch's pipeline_order:
+    process -> actions). Each process runs its computations in its list's order, each as soon as the process is free
+    and its inputs exist: a stage's forward of a micro-batch after the stage before's, its backward after its own
+    forward and the next stage's backward, a weight backward (W) after its input backward (I). A forward takes as
+    long as the stage has blocks, I and W as long again, a whole backward (B) twice that; communication is free."""
+    from collections import Counter, deque
+
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    kinds = {C.FORWARD: ("F", 1), C.BACKWARD_INPUT: ("B", 1), C.FULL_BACKWARD: ("B", 2), C.BACKWARD_WEIGHT: ("W", 1)}
+    last, seen, queues = len(stage_blocks) - 1, Counter(), {}
+    for rank, actions in order.items():
+        ops = []
+        for action in filter(None, actions):
+            for op in action.sub_actions or (action,):  # DualPipeV's overlapped F+B: both, one after the other
+                if op.computation_type in kinds:  # not the sends, receives and gradient reductions
+                    kind, cost = kinds[op.computation_type]
+                    # The k-th of a stage's forwards is micro-batch k: torch 2.13's Schedule1F1B order numbers its last
+                    # stage's forwards from 1 (1F1 .. 1F4 for 4 micro-batches), though it runs them from 0.
+                    ops.append((op.stage_index, kind, seen[op.stage_index, kind], cost * stage_blocks[op.stage_index]))
+                    seen[op.stage_index, kind] += 1
+        queues[rank] = deque(ops)
+    done: dict[tuple[int, str, int], float] = {}
+    clock, busy = dict.fromkeys(queues, 0.0), dict.fromkeys(queues, 0.0)
+    while any(queues.values()):
+        progressed = False
+        for rank, queue in queues.items():
+            while queue:
+                stage, kind, mb, cost = queue[0]
+                needs = {"F": [(stage - 1, "F", mb)] if stage else [],
+                         "B": [(stage, "F", mb)] + ([(stage + 1, "B", mb)] if stage < last else []),
+                         "W": [(stage, "B", mb)]}[kind]
+                if any(d not in done for d in needs):
+                    break
+                clock[rank] = done[stage, kind, mb] = max([clock[rank], *(done[d] for d in needs)]) + cost
+                busy[rank] += cost
+                queue.popleft()
+                progressed = True
+        if not progressed:
+            raise ValueError(f"the schedule's actions wait on each other: {dict((r, q[0]) for r, q in queues.items())}")
+    return 1.0 - sum(busy.values()) / (len(clock) * max(clock.values()))
+
+
+def bubble_report(schedule, layers: Sequence[range], processes: int, n_microbatches: int) -> dict[str, float | None]:
+    """The run's bubble (bubble_fraction of its schedule's pipeline_order, the stages cut at `layers`) and 1F1B's
+    on the same processes and micro-batches, the same blocks cut evenly into a stage a process (None: 1F1B cannot
+    run that many micro-batches)."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    ours = bubble_fraction(schedule.pipeline_order, list(map(len, layers)))
+    report: dict[str, float | None] = {"bubble_fraction": ours, "bubble_fraction_1f1b": None}
+    try:
+        order = schedule_order(Schedule1F1B, processes, n_microbatches)
+    except ValueError:
+        return report
+    even = split_layers(sum(map(len, layers)), processes)
+    return {**report, "bubble_fraction_1f1b": bubble_fraction(order, list(map(len, even)))}
+
+
+def sum_tied_grads(tied: Sequence[torch.Tensor], group=None) -> None:
+    """GPT-2's lm_head is its token embedding: the first and the last stage each hold a copy, and both take the sum
+    of the two gradients. One process holds both under a V-shaped schedule; else each end holds one (`group`)."""
+    import torch.distributed as dist
+
+    if len(tied) == 2:
+        tied[0].grad.add_(tied[1].grad)
+        tied[1].grad.copy_(tied[0].grad)
+    elif tied:
+        dist.all_reduce(tied[0].grad, group=group)
 
 
 def stage_inputs(batch: dict) -> tuple[torch.Tensor, dict]:
@@ -125,7 +308,8 @@ def pad_to_length(collate: Callable | None, length: int, pad_id: int) -> Callabl
     return fn
 
 
-def clip_global_grad_norm(stage: Stage, max_norm: float, group=None, skip: torch.Tensor | None = None) -> float:
+def clip_global_grad_norm(stage: Stage | Stages, max_norm: float, group=None,
+                          skip: torch.Tensor | None = None) -> float:
     """torch's clip_grad_norm_ over the whole model, whose stages sit in the processes of `group`: each stage sums
     its squares and the sum is all-reduced. A tied copy (`skip`) counts once. Returns the norm before clipping;
     max_norm 0 only measures it."""
@@ -143,7 +327,7 @@ def clip_global_grad_norm(stage: Stage, max_norm: float, group=None, skip: torch
 
 
 @torch.no_grad()
-def evaluate(task, schedule, stage: Stage, eval_dataloader, item_count: dict, last_rank: int, pp_group=None,
+def evaluate(task, schedule, stage: Stage | Stages, eval_dataloader, item_count: dict, last_rank: int, pp_group=None,
              dp_group=None) -> dict[str, float]:
     """Forward-only through the pipeline; the last stage scores (summed over replicas with dp_group) and sends the
     figures to every stage. Accuracy, or token-weighted loss and perplexity for a causal LM."""
@@ -151,24 +335,32 @@ def evaluate(task, schedule, stage: Stage, eval_dataloader, item_count: dict, la
 
     import torch.distributed as dist
 
+    run = schedule.eval
+    if type(schedule).__name__ in V_SHAPED:
+        # torch 2.13's eval() of a V-shaped schedule still walks its backward actions, and fails where a stage would
+        # hand its input gradient to the process's other stage: these take the training step, gradients dropped.
+        def run(*args, **kwargs):
+            with torch.enable_grad():
+                return schedule.step(*args, **kwargs)
+
     stage.eval()
     device = next(stage.parameters()).device
     total = torch.zeros(2, dtype=torch.float64, device=device)
     item_count["n"] = 1.0  # summed losses
     for batch in eval_dataloader:
         x, mask = stage_inputs(batch)
-        if stage.is_first:
-            schedule.eval(x, **mask)
-        elif stage.is_last:
+        inputs = (x,) if stage.is_first else ()  # a V-shaped schedule's process 0 holds the first and the last stage
+        if stage.is_last:
             losses: list[torch.Tensor] = []
-            logits = schedule.eval(**mask, target=batch["labels"], losses=losses)
+            logits = run(*inputs, **mask, target=batch["labels"], losses=losses)
             if task.name == "causal-lm":
                 score, count = torch.stack(losses).sum().item(), task.count_items(batch).item()
             else:
                 score, count = (logits.argmax(-1) == batch["labels"]).sum().item(), batch["labels"].numel()
             total += torch.tensor([score, count], dtype=torch.float64, device=device)
         else:
-            schedule.eval(**mask)
+            run(*inputs, **mask)
+    stage.zero_grad(set_to_none=True)  # none but a V-shaped schedule's
     if dp_group is not None:
         dist.all_reduce(total, group=dp_group)
     dist.broadcast(total, src=last_rank, group=pp_group)
@@ -179,11 +371,12 @@ def evaluate(task, schedule, stage: Stage, eval_dataloader, item_count: dict, la
     return {"eval_accuracy": mean}
 
 
-def save_stage_shards(accelerator, output_dir: str, task, stage: Stage, stage_index: int, num_stages: int,
-                      tied: torch.Tensor | None, write: bool = True) -> None:
+def save_stage_shards(accelerator, output_dir: str, task, stage: Stage | Stages, stage_index: int | Sequence[int],
+                      num_stages: int, tied: object, write: bool = True) -> None:
     """Each stage writes its parameters as one shard of a Hugging Face sharded checkpoint (model-0000k-of-0000n +
-    index): from_pretrained loads the whole model, and no process ever gathers it. `write`: this process's
-    replica is the one that saves. A collective: every process calls it."""
+    index): from_pretrained loads the whole model, and no process ever gathers it. Stages: one shard per stage it
+    holds, at the stage indices. `tied`: None, or the head is tied (the last stage leaves its copy out). `write`: this
+    process's replica is the one that saves. A collective: every process calls it."""
     import json
     from pathlib import Path
 
@@ -191,15 +384,17 @@ def save_stage_shards(accelerator, output_dir: str, task, stage: Stage, stage_in
     from safetensors.torch import save_file
 
     out = Path(output_dir)
-    entry = None
-    if write:
+    entries = []
+    indices = stage.indices if isinstance(stage, Stages) else [stage_index]
+    for index, part in zip(indices if write else [], stage_list(stage), strict=False):
         out.mkdir(parents=True, exist_ok=True)
-        shard = f"model-{stage_index + 1:05d}-of-{num_stages:05d}.safetensors"
-        state = {k: v.detach().cpu().contiguous() for k, v in stage.model.state_dict().items()
-                 if not (tied is not None and stage.is_last and v.data_ptr() == tied.data_ptr())}  # tied: once
+        shard = f"model-{index + 1:05d}-of-{num_stages:05d}.safetensors"
+        head = tied_weight(part) if tied is not None and part.is_last else None
+        state = {k: v.detach().cpu().contiguous() for k, v in part.model.state_dict().items()
+                 if not (head is not None and v.data_ptr() == head.data_ptr())}  # tied: once
         save_file(state, str(out / shard), metadata={"format": "pt"})
-        entry = (shard, sorted(state))
-    entries = [e for e in gather_object([entry]) if e is not None]
+        entries.append((shard, sorted(state)))
+    entries = [e for process in gather_object([entries]) for e in process]
     if accelerator.is_main_process:
         weight_map = {name: shard for shard, names in entries for name in names}
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

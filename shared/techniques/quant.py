@@ -4,12 +4,14 @@ themselves (BitsAndBytesConfig, get_peft_model, QATConfig, prune calls) stay in 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..core.models import HEAD_NAMES
+from ..core import rules
+from ..core.models import HEAD_NAMES, transformer_layers
 
 # Accelerate's mixed_precision -> the dtype a run computes in: bitsandbytes dequantizes to it (bnb_4bit_compute_dtype).
 COMPUTE_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -80,6 +82,36 @@ def linear_sparsity(model: nn.Module) -> dict[str, float]:
     """Fraction of exact zeros in each nn.Linear weight (after pruning: what was really removed)."""
     return {name: (m.weight == 0).float().mean().item() for name, m in model.named_modules()
             if isinstance(m, nn.Linear)}
+
+
+def weights_outside_linear(model: nn.Module) -> str:
+    """The transformer blocks' weights (2-D and up) that no nn.Linear or Conv1D holds, in words ("" when there are
+    none): Mixtral's stacked experts ([experts, out, in] parameters of one module) and its router. A technique that
+    finds its layers as nn.Linear (quantization, pruning, FP8) would leave them as they are. Before prepare (ZeRO-3
+    partitions the parameters to 0 elements)."""
+    from transformers.pytorch_utils import Conv1D
+
+    blocks = transformer_layers(model)
+    held = {id(p) for m in blocks.modules() if isinstance(m, (nn.Linear, Conv1D)) for p in m.parameters(False)}
+    outside: dict[str, int] = {}
+    total = 0
+    for name, p in blocks.named_parameters():
+        shape = getattr(p, "ds_shape", p.shape)  # ZeRO-3 (zero.Init) partitioned it to an empty tensor
+        if len(shape) >= 2:
+            total += math.prod(shape)
+            if id(p) not in held:
+                key = name.split(".", 1)[1]  # without the block's index: one entry for every block
+                outside[key] = outside.get(key, 0) + math.prod(shape)
+    if not outside:
+        return ""
+    return f"{', '.join(sorted(outside))} ({sum(outside.values()) / total:.0%} of the blocks' weights)"
+
+
+def check_linear_only(model: nn.Module, recipe: str, does: str) -> None:
+    """Refuse (shared/core/rules.py) a model whose blocks keep weights outside nn.Linear layers when the recipe
+    `does` something to those layers only: it would silently leave the rest (a mixture of experts' experts)."""
+    rules.check_built(recipe, model_type=getattr(model.config, "model_type", ""), linear_only=does,
+                      outside_linear=weights_outside_linear(model))
 
 
 def conv1d_to_linear(model: nn.Module) -> nn.Module:

@@ -1,9 +1,13 @@
-"""Tensor parallel for GPT-2, BERT and ViT: each block's attention and MLP matrices split over the processes.
+"""Tensor parallel: each block's attention and MLP matrices split over the processes.
 
 Megatron's layout: in each pair of matrices the first is split by its output features (column-wise: every process
 computes its share of the heads, or of the MLP's hidden units) and the second by its input features (row-wise: each
-process's partial product is summed by one all-reduce). Everything else (embeddings, norms, the head) is replicated:
-every process holds it whole and computes it on the same batch, so its gradients agree without any collective.
+process's partial product is summed by one all-reduce).
+
+Two sources of the plan. A model whose config ships one (transformers' `base_model_tp_plan`: Llama, Qwen2/3, Mistral,
+Mixtral, Gemma ...) is split by transformers' own styles (transformers.distributed.tensor_parallel), which also split
+the embedding and head over the vocabulary (the logits gathered) and, for Mixtral, every expert's MLP. GPT-2, BERT and
+ViT ship none: PLANS below, applied with torch's parallelize_module, keep their embeddings, norms and head replicated.
 """
 
 from __future__ import annotations
@@ -28,14 +32,40 @@ PLANS: dict[str, dict[str, str]] = {
 }
 
 
-def family_of(model: nn.Module, world: int) -> str:
-    """The model's PLANS entry; refuses (shared/core/rules.py) a model without one, or whose heads do not split over
-    `world` processes."""
-    cfg = model.config
-    rules.check_built(model_type=cfg.model_type, tp_plans=tuple(PLANS))
-    mlp = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size
-    rules.check_built(heads=cfg.num_attention_heads, mlp_width=mlp, tp_degree=world)
-    return cfg.model_type
+OWN = "own"  # family_of: the model's own base_model_tp_plan, applied by transformers
+
+
+def family_of(config, world: int, shard_vocab: bool = False) -> str:
+    """The model's PLANS entry, or OWN for a config that ships a plan; refuses (shared/core/rules.py), from the config
+    alone (before the weights load), a model with neither, or whose heads do not split over `world` processes."""
+    own = bool(getattr(config, "base_model_tp_plan", None))
+    rules.check_built(model_type=config.model_type, tp_plans=tuple(PLANS) + ((config.model_type,) if own else ()))
+    mlp = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
+    kv = getattr(config, "num_key_value_heads", None) or 0  # GQA: each process takes KV heads/N and their queries
+    family = OWN if own and config.model_type not in PLANS else config.model_type
+    rules.check_built(heads=config.num_attention_heads, kv_heads=kv, mlp_width=mlp, tp_degree=world,
+                      model_type=config.model_type, shard_vocab=shard_vocab,
+                      tp_plan_source="own" if family == OWN else "ours", flags={"shard_vocab": "--shard_vocab"})
+    return family
+
+
+def apply_plan(model: nn.Module, family: str, mesh) -> dict[str, str]:
+    """Split the model over `mesh` (the "tp" sub-mesh); returns the plan applied, one entry per module or parameter
+    pattern. OWN: transformers' styles on the model's own plan (its class adds the head's entry, e.g. lm_head
+    colwise_gather_output). Else PLANS[family] with torch's ColwiseParallel / RowwiseParallel in every block."""
+    if family == OWN:
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        # _expand_parallel_plan: transformers' own expansion of the plan's `layers.*` patterns to module names, as
+        # from_pretrained(tp_plan="auto") applies it; pinned transformers==5.24 (requirements.txt).
+        apply_tensor_parallelism(model, mesh, model._expand_parallel_plan(model.tp_plan))
+        return dict(model.tp_plan)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for block in transformer_layers(model):  # the weights become DTensors: this process keeps its shard
+        parallelize_module(block, mesh, {name: styles[style]() for name, style in PLANS[family].items()})
+    return PLANS[family]
 
 
 def _fused_qkv_order(hidden: int, world: int) -> torch.Tensor:
@@ -194,7 +224,8 @@ def local_param_counts(model: nn.Module) -> dict[str, int]:
             continue
         seen.add(id(p))
         names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-        split = "tp" in names and p.placements[names.index("tp")].is_shard()
+        # not is_replicate(): Mixtral's packed gate/up experts are a _StridedShard, whose is_shard() is False
+        split = "tp" in names and not p.placements[names.index("tp")].is_replicate()
         counts["sharded" if split else "replicated"] += (p.to_local() if isinstance(p, DTensor) else p).numel()
     return counts
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..core import rules
-from ..core.losses import shift_labels, summed_cross_entropy
+from ..core.losses import IGNORE, shift_labels, summed_cross_entropy
 
 ATTENTION = "ulysses_sdpa"  # the name this module registers in Transformers' AttentionInterface
 
@@ -88,8 +88,17 @@ def shard(batch: dict, rank: int, world: int) -> dict:
     return {"input_ids": ids[:, part], "position_ids": positions[:, part], "shift_labels": shifted[:, part]}
 
 
-def loss(model: nn.Module, chunk: dict, num_items: torch.Tensor | float) -> torch.Tensor:
+def loss(model: nn.Module, chunk: dict, num_items: torch.Tensor | float, task: object | None = None) -> torch.Tensor:
     """This chunk's summed cross-entropy against its already shifted labels, divided by `num_items` (the global
-    batch's target tokens over the process count: DDP's mean over processes then gives sum / global count)."""
-    logits = model(input_ids=chunk["input_ids"], position_ids=chunk["position_ids"], use_cache=False).logits
-    return summed_cross_entropy(logits, chunk["shift_labels"]) / num_items  # shifted already: no shift here
+    batch's target tokens over the process count: DDP's mean over processes then gives sum / global count).
+
+    A mixture of experts adds its router's load-balancing loss through `task` (Task.router_loss), computed on this
+    chunk's tokens and weighted by the chunk's share of the targets: DDP's mean then averages the chunks' losses, as
+    data parallel averages each process's batch's."""
+    out = model(input_ids=chunk["input_ids"], position_ids=chunk["position_ids"], use_cache=False)
+    total = summed_cross_entropy(out.logits, chunk["shift_labels"]) / num_items  # shifted already: no shift here
+    if getattr(out, "aux_loss", None) is None:
+        return total
+    if task is None:  # the router's load-balancing loss would silently not train
+        raise ValueError("The model returns a router aux_loss (a mixture of experts): pass sp.loss(..., task=task)")
+    return total + task.router_loss(out, (chunk["shift_labels"] != IGNORE).sum(), num_items)
