@@ -74,6 +74,58 @@ def _latin1_csv(tmp: Path) -> Path:
     return path
 
 
+def _image_file(path: Path, kind: str) -> Path:
+    """One image file as a user's folder may hold it: whole, cut short by an interrupted copy, or empty."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)  # noise: no tiny JPEG
+    Image.fromarray(pixels).save(buf, format="JPEG" if path.suffix == ".jpg" else "PNG")
+    raw = buf.getvalue()
+    path.write_bytes({"whole": raw, "truncated": raw[:len(raw) * 2 // 3], "empty": b""}[kind])
+    return path
+
+
+def _huge_png(path: Path, width: int = 15000, height: int = 13000) -> Path:
+    """A PNG declaring 195 megapixels (a whole slide, a satellite tile): its header alone is what PIL's guard reads."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b""))
+    return path
+
+
+def _bad_image_folder(tmp: Path, split: str, kind: str, name: str) -> list:
+    """--train_dir and --validation_dir of good images, one bad file in the `split` folder."""
+    train, val = _folder(tmp), _folder(tmp, name="val")
+    target = {"train": train, "val": val}[split] / "a" / name
+    _huge_png(target) if kind == "huge" else _image_file(target, kind)
+    return ["--train_dir", train, "--validation_dir", val]
+
+
+def _joined_csv(tmp: Path, name: str = "joined.csv") -> Path:
+    """Two csv files joined with `cat`: the second's header is a row of the data."""
+    first, second = _table(tmp, _ROWS[:20], name="a.csv").read_text(), _table(tmp, _ROWS[20:], name="b.csv").read_text()
+    return _write(tmp / name, first + second)
+
+
+def _pandas_json(tmp: Path, orient: str | None = None) -> Path:
+    """What pandas writes by default (orient="columns") or with orient="index": a dict of dicts, not records."""
+    import pandas as pd
+
+    path = tmp / "frame.json"
+    df = pd.DataFrame({"text": [a for a, _ in _ROWS], "label": [b for _, b in _ROWS]})
+    df.to_json(path) if orient is None else df.to_json(path, orient=orient)
+    return path
+
+
 def _dataset_dir(tmp: Path) -> Path:
     (tmp / "ds").mkdir()
     _table(tmp / "ds", name="test.csv")
@@ -257,6 +309,30 @@ CASES = [
     Case("multi-label", "a list of labels per row (multi-label targets)", [],
          ["holds list values", "not multi-label targets"],
          setup=lambda t: ["--train_file", _jsonl(t, [{"text": f"t {i}", "label": [i % 2, 1]} for i in range(40)])]),
+    Case("repeated-header-row", "two csv files joined with `cat`, the header repeated mid-file (a class named "
+         "'label' would train)", [], ["training data repeats its header row at row 21", "Delete those rows"],
+         setup=lambda t: ["--train_file", _joined_csv(t)]),
+    Case("repeated-header-in-validation", "the header repeated in a joined validation file", [],
+         ["validation data repeats its header row at row 21", "tail -n +2"],
+         setup=lambda t: ["--train_file", _table(t), "--validation_file", _joined_csv(t, name="v.csv")]),
+    Case("mixed-label-types", "jsonl labels 0/1 in some rows and 'neg'/'pos' in others (4 classes for 2)", [],
+         ["mixes numbers and strings (strings at row 21", "Write every label one way"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"text": a, "label": b if i < 20 else ["neg", "pos"][b]}
+                                                      for i, (a, b) in enumerate(_ROWS)])]),
+    Case("bool-and-word-labels", "jsonl labels true/false in most rows, \"yes\"/\"no\" in two", [],
+         ["mixes numbers and strings (strings at row 4, 40, e.g. 'yes')", "all numbers, or all names"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"text": a, "label": ["no", "yes"][b] if i in (3, 39) else bool(b)}
+                                                      for i, (a, b) in enumerate(_ROWS)])]),
+    Case("label-types-differ-across-splits", "training labels \"0\"/\"1\" (strings), validation labels 0/1", [],
+         ["validation labels [0, 1] are ints, the training labels the same as strs", 'numbers (0, not "0"'],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"text": a, "label": str(b)} for a, b in _ROWS]),
+                          "--validation_file", _jsonl(t, [{"text": f"new {a}", "label": b} for a, b in _ROWS[:10]],
+                                                      name="v.jsonl")]),
+    Case("label-types-differ-reversed", "training labels 0/1, validation labels \"0\"/\"1\"", [],
+         ["validation labels ['0', '1'] are strs, the training labels the same as ints", "one way in both splits"],
+         setup=lambda t: ["--train_file", _table(t),
+                          "--validation_file", _jsonl(t, [{"text": f"new {a}", "label": str(b)} for a, b in _ROWS[:10]],
+                                                      name="v.jsonl")]),
     # ---- the data's content: texts
     Case("numeric-text-column", "a text column of numbers", [],
          ["column 'text' holds int values, not text", "Pass --text_column naming the column of texts"],
@@ -296,6 +372,41 @@ CASES = [
     Case("one-line-txt", "a one-line text file and no validation file", ["--task", "causal-lm"],
          ["holds 1 row: too few to hold out 10%", "Pass --validation_file"],
          setup=lambda t: ["--train_file", _write(t / "one.txt", "just one line of text\n")]),
+    Case("validation-file-is-train-file", "--validation_file naming the training file (evaluation on trained rows)",
+         [], ["All 40 validation rows occur in the training data", "or drop the flag: 10% of the training rows"],
+         setup=lambda t: ["--train_file", _table(t), "--validation_file", _table(t)]),
+    Case("validation-file-is-a-copy", "a validation file with the training file's content under another name", [],
+         ["All 40 validation rows occur in the training data", "Pass held-out data as --validation_file"],
+         setup=lambda t: ["--train_file", _table(t), "--validation_file", _table(t, name="copy.csv")]),
+    Case("validation-subset-of-train", "a validation file cut from the training file (its rows trained on)",
+         ["--task", "causal-lm"], ["All 5 validation rows occur in the training data", "Pass held-out data"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"text": a} for a, _ in _ROWS]),
+                          "--validation_file", _jsonl(t, [{"text": a} for a, _ in _ROWS[10:15]], name="v.jsonl")]),
+    Case("validation-dir-is-train-dir", "--validation_dir naming the training folder",
+         ["--task", "image-classification"], ["All 8 validation rows occur in the training data", "drop the flag"],
+         setup=lambda t: ["--train_dir", _folder(t), "--validation_dir", _folder(t)]),
+    Case("seq-length-1", "--max_seq_length 1 (below the special tokens the tokenizer cuts nothing; a long text "
+         "crashed step 2)", ["--max_seq_length", "1"],
+         ["--max_seq_length 1 leaves 0 token(s) of text", "2 special tokens", "Pass --max_seq_length 6 or more"]),
+    Case("seq-length-2", "--max_seq_length 2: a classifier would see [CLS] [SEP] alone", ["--max_seq_length", "2"],
+         ["--max_seq_length 2 leaves 0 token(s)", "Pass --max_seq_length 6 or more"]),
+    Case("seq-length-1-causal-lm", "--max_seq_length 1 for a causal LM (blocks without a target: a NaN loss)",
+         ["--task", "causal-lm", "--max_seq_length", "1"], ["causal-lm sample", "Pass --max_seq_length 6 or more"]),
+    Case("seq-length-pairs", "--max_seq_length 5 for sentence pairs ([CLS] a [SEP] b [SEP]: 3 special tokens)",
+         ["--text_pair_column", "text", "--max_seq_length", "5"],
+         ["leaves 2 token(s) of text", "3 special tokens", "Pass --max_seq_length 7 or more"]),
+    Case("packing-for-classification", "--packing per_document with text classification (silently ignored)",
+         ["--packing", "per_document"], ["--packing per_document with --task text-classification",
+                                         "Drop --packing, or pass --task causal-lm"]),
+    Case("packing-for-images", "--packing concat with image classification", ["--task", "image-classification",
+                                                                              "--packing", "concat"],
+         ["--packing concat with --task image-classification", "Drop --packing"]),
+    Case("pandas-default-json", "a JSON file from pandas' df.to_json(path): a dict of columns, not records", [],
+         ["is one JSON object of columns", 'df.to_json(path, orient="records", lines=True)'],
+         setup=lambda t: ["--train_file", _pandas_json(t)]),
+    Case("pandas-index-json", "a JSON file from df.to_json(path, orient=\"index\"): a dict of rows", [],
+         ["is one JSON object of columns", 'orient="records", lines=True'],
+         setup=lambda t: ["--train_file", _pandas_json(t, orient="index")]),
     Case("csv-for-images", "a table without an image column for image classification",
          ["--task", "image-classification"], ["Found no image column among", "Pass --image_column"],
          setup=lambda t: ["--train_file", _table(t)]),
@@ -307,6 +418,20 @@ CASES = [
          "after training)", ["--task", "image-classification"],
          ["1 validation image(s) do not open", "broken.png", "Remove or replace them"],
          setup=lambda t: ["--train_dir", _folder(t), "--validation_dir", _folder(t, name="val", broken=True)]),
+    Case("truncated-validation-jpeg", "a JPEG cut short by an interrupted copy (opened and verified, it crashed "
+         "evaluation after training)", ["--task", "image-classification"],
+         ["1 validation image(s) do not open or decode", "cut.jpg", "image file is truncated", "copy it again"],
+         setup=lambda t: _bad_image_folder(t, "val", "truncated", "cut.jpg")),
+    Case("truncated-png", "a truncated PNG in the training folder", ["--task", "image-classification"],
+         ["1 training image(s) do not open or decode", "cut.png", "truncated", "Remove or replace them"],
+         setup=lambda t: _bad_image_folder(t, "train", "truncated", "cut.png")),
+    Case("zero-byte-image", "an empty image file (a copy that never started)", ["--task", "image-classification"],
+         ["empty.jpg (UnidentifiedImageError", "Remove or replace them"],
+         setup=lambda t: _bad_image_folder(t, "val", "empty", "empty.jpg")),
+    Case("195-megapixel-image", "a 195-megapixel image (PIL's decompression-bomb guard, raised as a raw traceback)",
+         ["--task", "image-classification"],
+         ["huge.png: Image size (195000000 pixels) exceeds limit", "Resize it", "PIL.Image.MAX_IMAGE_PIXELS"],
+         setup=lambda t: _bad_image_folder(t, "train", "huge", "huge.png")),
     Case("missing-validation-dir", "a validation folder that does not exist", ["--task", "image-classification"],
          ["--validation_dir", "does not exist"], setup=lambda t: ["--train_dir", _folder(t), "--validation_dir",
                                                                  t / "nowhere"]),
@@ -441,6 +566,80 @@ def test_bad_input_fails_fast_with_the_fix(case, tmp_path, capsys, monkeypatch):
     assert "train:" not in printed.err + printed.out, f"{case.id}: training started before the refusal"
     assert not (tmp_path / "out" / "results.json").exists()
     assert not list((tmp_path / "out").glob("checkpoints/step_*")), "it trained before failing"
+
+
+def _grey_folder(tmp: Path, depth: dict) -> Path:
+    """Class folders of grey gradients, saved 8-bit (mode L) or 16-bit (mode I;16, as microscopes and scanners do)
+    per class: the same scene in both, 16-bit values 257 x the 8-bit ones."""
+    import numpy as np
+    from PIL import Image
+
+    for c, bits in depth.items():
+        (tmp / "grey" / c).mkdir(parents=True)
+        for i in range(4):
+            scene = (np.add.outer(np.arange(32), np.arange(32)) * (2 + i)) % 200 + 20  # 20..219: no pure white
+            img = scene.astype(np.uint16) * 257 if bits == 16 else scene.astype(np.uint8)
+            Image.fromarray(img).save(tmp / "grey" / c / f"{i}.png")
+    return tmp / "grey"
+
+
+def test_16_bit_images_are_scaled_not_clipped(tmp_path):
+    """A 16-bit grey PNG converted to RGB by PIL clips every value above 255: ~all white. ImageDataset maps 65535 to
+    255 instead, so the model sees the 16-bit image exactly as its 8-bit twin, whatever the mix in one folder."""
+    from PIL import Image
+
+    from shared.core.data import ImageDataset, image_folder
+
+    folder = image_folder(str(_grey_folder(tmp_path, {"a": 16, "b": 8})))
+    assert Image.open(folder["image"][0]).mode == "I;16"
+    import numpy as np
+
+    assert np.asarray(Image.open(folder["image"][0]).convert("RGB")).mean() > 250  # what PIL alone would feed
+    ds = ImageDataset(folder["image"], folder["label"], 32, [0.5] * 3, [0.5] * 3)
+    sixteen, eight = ds[0]["pixel_values"], ds[4]["pixel_values"]  # image 0 of class a (16-bit), of class b (8-bit)
+    assert (sixteen >= 0.999).float().mean() < 0.01, "saturated"  # (x - 0.5) / 0.5: 1.0 is white
+    assert sixteen.std() > 0.2
+    assert (sixteen - eight).abs().max() < 1e-6  # the same scene, the same pixels
+    from shared.core import datacheck
+
+    datacheck.check_images(folder["image"], "training")  # and the 16-bit files pass the check that decodes them
+
+
+def test_the_image_size_limit_is_pils_and_raising_it_works(tmp_path, monkeypatch):
+    """The refusal of a huge image keeps PIL's guard; the fix it names (raise Image.MAX_IMAGE_PIXELS) lets it
+    through. A low limit stands in for the 195-megapixel file."""
+    from PIL import Image
+
+    from shared.core import datacheck
+
+    path = str(_image_file(tmp_path / "big.png", "whole"))  # 64 x 64 = 4096 pixels
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # PIL refuses above twice the limit
+    with pytest.raises(SystemExit, match="big.png: Image size .4096 pixels. exceeds limit.*MAX_IMAGE_PIXELS"):
+        datacheck.check_images([path], "training")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5000)
+    datacheck.check_images([path], "training")
+
+
+def test_the_data_fixes_work_when_followed(tmp_path):
+    """Two refusals' fixes, done as they say: pandas' records/lines JSON, and the --max_seq_length they name."""
+    import re
+
+    import pandas as pd
+
+    from tests.conftest import run_recipe
+
+    path = _pandas_json(tmp_path)
+    with pytest.raises(SystemExit, match=r"df\.to_json\(path, orient=\"records\", lines=True\)"):
+        run_recipe("baseline", tmp_path / "a", "--train_file", path, "--max_train_steps", 2)
+    pd.read_json(path).to_json(path, orient="records", lines=True)  # the fix, word for word
+    r = run_recipe("baseline", tmp_path / "b", "--train_file", path, "--max_train_steps", 2,
+                   "--per_device_train_batch_size", 8, "--no_save_model")
+    assert r["train_examples"] == 36  # 40 rows, 10% held out
+    small = ["--train_file", _table(tmp_path), "--max_train_steps", 2, "--per_device_train_batch_size", 8]
+    with pytest.raises(SystemExit) as exc:
+        run_recipe("baseline", tmp_path / "c", *small, "--max_seq_length", 2)
+    least = re.search(r"Pass --max_seq_length (\d+) or more", str(exc.value.code)).group(1)
+    run_recipe("baseline", tmp_path / "d", *small, "--max_seq_length", least, "--no_save_model")
 
 
 def test_refusal_under_launch_is_shown_once_at_the_end(tmp_path):

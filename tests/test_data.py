@@ -182,9 +182,11 @@ def test_concat_blocks_are_run_clm_blocks():
 def test_too_little_text_for_one_block(tmp_path):
     path = tmp_path / "short.txt"
     path.write_text("one two three\nfour five six\n")
+    val = tmp_path / "val.txt"
+    val.write_text("seven eight nine\n")
     with pytest.raises(SystemExit, match="fewer than one block of --max_seq_length 128.*--packing none"):
         run_recipe("baseline", tmp_path / "out", "--task", "causal-lm", "--train_file", path, "--validation_file",
-                   path, "--max_train_steps", 1)
+                   val, "--max_train_steps", 1)
 
 
 # ---------------------------------------------------------------- 2. sentence pairs

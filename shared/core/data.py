@@ -179,13 +179,17 @@ def _load_file(path: str):
 
     kind = _FILE_TYPES[Path(path).suffix.lower()]
     try:
-        return datasets.load_dataset(kind, data_files={"train": path}, split="train")
+        ds = datasets.load_dataset(kind, data_files={"train": path}, split="train")
     except ValueError as err:
         if "corresponds to no data" in str(err):  # datasets' words for a file with a header and no rows
             raise SystemExit(f"The data file {path} is empty. Pass a file with rows.") from None
         raise datacheck.explain_unreadable(path, kind, err) from None
     except datasets.exceptions.DatasetGenerationError as err:
         raise datacheck.explain_unreadable(path, kind, err) from None
+    if kind == "json" and len(ds) == 1 and all(isinstance(v, dict) for v in ds[0].values()):
+        raise SystemExit(f"{path} is one JSON object of columns ({{column: {{row: value}}}}: pandas' df.to_json(path)"
+                         '), not a record per row. Save it with df.to_json(path, orient="records", lines=True).')
+    return ds
 
 
 def _split_dict(d: dict[str, list]) -> tuple[dict, dict]:
@@ -298,6 +302,8 @@ class ImageDataset(torch.utils.data.Dataset):
             from PIL import Image
 
             pil = img if isinstance(img, Image.Image) else Image.open(img)
+            if pil.mode.startswith("I;16"):  # 16-bit grey: convert("RGB") clips at 255 (nearly all white)
+                pil = Image.fromarray((np.asarray(pil) / 257).round().astype(np.uint8))  # 65535 -> 255
             img = np.asarray(pil.convert("RGB").resize((self.size, self.size), RESAMPLE))
         elif img.shape[0] != self.size:
             from PIL import Image

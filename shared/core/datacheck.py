@@ -79,9 +79,20 @@ def check_texts(values: list, column: str, split: str, allow_empty: bool = False
                          "or drop those rows: an empty text trains the label on nothing but special tokens.")
 
 
+def check_seq_length(max_seq_length: int, specials: int, task: str, least: int = 4) -> None:
+    if max_seq_length - specials < least:  # below the specials nothing is cut, at them [CLS] [SEP]; 4: a phrase
+        raise SystemExit(f"--max_seq_length {max_seq_length} leaves {max(0, max_seq_length - specials)} token(s) of "
+                         f"text per {task} sample beside the tokenizer's {specials} special tokens; {least} is the "
+                         f"least that trains. Pass --max_seq_length {specials + least} or more.")
+
+
 # ---------------------------------------------------------------- labels
 def check_label_values(values: list, column: str, split: str) -> None:
     """Every cell of a label column holds a class: one value, not empty, not a fraction, not negative."""
+    header = [i for i, v in enumerate(values) if v == column]  # two csv files joined by `cat`
+    if header:
+        raise SystemExit(f"The {split} data repeats its header row at row {_rows(header)}: a class named {column!r} "
+                         "would train. Delete those rows (join files with `tail -n +2` for all but the first).")
     nested = [i for i, v in enumerate(values) if isinstance(v, (list, dict, tuple))]
     if nested:
         raise SystemExit(f"The {split} label column {column!r} holds {type(values[nested[0]]).__name__} values (row "
@@ -92,6 +103,11 @@ def check_label_values(values: list, column: str, split: str) -> None:
     if empty:
         raise SystemExit(f"The {split} label column {column!r} has {len(empty)} empty cell(s), row "
                          f"{_rows(empty)}. Fill or drop those rows: an empty label is not a class.")
+    strings = [i for i, v in enumerate(values) if isinstance(v, str)]
+    if 0 < len(strings) < len(values):  # 0/1 beside "neg"/"pos": four classes where two were meant
+        raise SystemExit(f"The {split} label column {column!r} mixes numbers and strings (strings at row "
+                         f"{_rows(strings)}, e.g. {values[strings[0]]!r}): each spelling would be a class of its "
+                         "own. Write every label one way: all numbers, or all names.")
     fractional = [i for i, v in enumerate(values) if isinstance(v, float) and not v.is_integer()]
     if fractional:
         raise SystemExit(f"The {split} label column {column!r} holds fractions (row {_rows(fractional)}, e.g. "
@@ -119,6 +135,10 @@ def label_set(train: list, val: list, column: str) -> tuple[list, dict]:
                          f"rows (e.g. {list(counts)[:3]}): a class seen about once cannot be learned. Is it a text "
                          "column? Pass --label_column naming the column of classes.")
     unseen = sorted({_key(v) for v in val} - set(counts), key=str)
+    if unseen and {str(k) for k in unseen} <= {str(k) for k in counts}:
+        raise SystemExit(f"The validation labels {unseen[:_SHOWN]} are {type(unseen[0]).__name__}s, the training "
+                         f"labels the same as {type(next(iter(counts))).__name__}s: no class would match. Write "
+                         f"{column!r} one way in both splits: numbers (0, not \"0\", in JSON) or strings.")
     if unseen:
         raise SystemExit(f"The validation labels {unseen[:_SHOWN]} never occur in the training data: no step would "
                          "ever train them, and evaluation would count them as errors. Add training examples of "
@@ -148,7 +168,8 @@ def label_index(mapping: dict) -> object:
 
 # ---------------------------------------------------------------- images
 def check_images(paths: list, split: str) -> None:
-    """Every image file the run will read opens: a broken one would crash evaluation after training."""
+    """Every image file decodes: a truncated one (an interrupted copy) opens and verifies, then crashes evaluation.
+    All are decoded, as a sample would miss the one bad file; JPEGs in draft mode (scaled, yet every byte read)."""
     from PIL import Image, UnidentifiedImageError
 
     broken = []
@@ -157,9 +178,21 @@ def check_images(paths: list, split: str) -> None:
             continue
         try:
             with Image.open(path) as image:
-                image.verify()
+                image.draft("RGB", (64, 64))
+                image.load()
+        except Image.DecompressionBombError as err:  # PIL's guard: kept, and the user decides
+            raise SystemExit(f"{path}: {err} Resize it (the model sees a few hundred pixels a side), or, trusting "
+                             "the file, raise the limit before main(): PIL.Image.MAX_IMAGE_PIXELS = <pixels>.") from err
         except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as err:
-            broken.append(f"{path} ({type(err).__name__})")
+            broken.append(f"{path} ({type(err).__name__}: {err})")
     if broken:
-        raise SystemExit(f"{len(broken)} {split} image(s) do not open: {', '.join(broken[:_SHOWN])}. Remove or "
-                         "replace them.")
+        raise SystemExit(f"{len(broken)} {split} image(s) do not open or decode: {', '.join(broken[:_SHOWN])}. "
+                         "Remove or replace them (a truncated file is often an interrupted copy: copy it again).")
+
+
+def check_held_out(train: object, val: object | None, columns: list) -> None:  # the same file, a copy, or a subset
+    rows = lambda s: {hash(r) for r in zip(*(s[c] for c in filter(None, columns)), strict=True)}  # noqa: E731
+    if val is not None and len(val[columns[0]]) and rows(val) <= rows(train):  # one pass each, hashes only
+        raise SystemExit(f"All {len(val[columns[0]])} validation rows occur in the training data: evaluation would "
+                         "score rows the model trained on. Pass held-out data as --validation_file (--validation_dir), "
+                         "or drop the flag: 10% of the training rows are then held out.")

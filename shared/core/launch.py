@@ -226,8 +226,8 @@ def resolve_launch(
     on_cpu = not has_accelerator()
     run = rules.Run(recipe=recipe, sharding=sharding, launched=launched, offload=offload, num_processes=world,
                      precision=mixed_precision, on_accelerator=not on_cpu,
-                     accumulation=accumulation, max_grad_norm=clipping,
-                     packing=args.packing if args.task == "causal-lm" else "none", compile=torch_compile,
+                     accumulation=accumulation, max_grad_norm=clipping, compile=torch_compile,
+                     packing=args.packing if args.task == "causal-lm" or "packing" in args.explicit_flags else "none",
                      parallelism_config=rules.launched_parallelism(os.environ),
                      preset="" if args.model_name_or_path else args.model_preset, **{"task": args.task, **asks})
     rules.check(run)  # the rule table: refused here, with the reason and the fix

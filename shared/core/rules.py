@@ -400,6 +400,9 @@ RULES: tuple[Rule, ...] = (
          lambda r: f"--packing per_document: recipes/{r.recipe}.py runs the model through its own pipeline stages, "
                    "whose plain causal mask would let packed documents attend to each other",
          lambda r: "use --packing concat or --packing none with it"),
+    Rule(lambda r: r.task not in ("", "causal-lm") and r.packing != "none",
+         lambda r: f"--packing {r.packing} with --task {r.task}: it packs causal-LM documents, so it would do nothing",
+         lambda r: "drop --packing, or pass --task causal-lm"),
     # Sequence parallel (recipes/sequence_parallel.py): each process runs its chunk of every causal-LM sequence.
     Rule(lambda r: RECIPES[r.recipe].splits_sequence and r.task not in ("", "causal-lm"),
          lambda r: f"--task {r.task}: recipes/{r.recipe}.py splits causal-LM sequences (its attention is causal "

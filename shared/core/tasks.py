@@ -213,6 +213,7 @@ def _text_classification(args, accelerator, train_raw, val_raw, source, batches:
         for col in filter(None, (text_col, pair_col)):
             datacheck.check_texts(list(ds[col]), col, split)
         datacheck.check_label_values(list(ds[label_col]), label_col, split)
+    datacheck.check_held_out(train_raw, val_raw, [text_col, pair_col])
     train_raw, val_raw = data.hold_out(train_raw, val_raw, source)
     train_raw, val_raw = _limit(train_raw, args.max_train_samples), _limit(val_raw, args.max_eval_samples)
     train_ds, val_ds = _to_dataset(train_raw), _to_dataset(val_raw)
@@ -220,6 +221,7 @@ def _text_classification(args, accelerator, train_raw, val_raw, source, batches:
     to_id = datacheck.label_index(mapping)
     texts = list(train_ds[text_col]) + (list(train_ds[pair_col]) if pair_col else [])
     tokenizer = _tokenizer(args, texts)
+    datacheck.check_seq_length(args.max_seq_length, tokenizer.num_special_tokens_to_add(bool(pair_col)), args.task)
 
     def encode(batch):
         pairs = (batch[pair_col],) if pair_col else ()
@@ -272,6 +274,7 @@ def _causal_lm(args, accelerator, train_raw, val_raw, source, batches: tuple[int
     text_col = data.pick_column(cols, args.text_column, data._TEXT_GUESSES, "text", "text_column")
     for split, ds in _given_splits(train_raw, val_raw):
         datacheck.check_texts(list(ds[text_col]), text_col, split, allow_empty=True)  # blank lines are dropped
+    datacheck.check_held_out(train_raw, val_raw, [text_col])
     train_raw, val_raw = data.hold_out(train_raw, val_raw, source)
     train_ds, val_ds = _to_dataset(train_raw), _to_dataset(val_raw)
     # Blank lines (wikitext has many) hold no target token.
@@ -283,6 +286,7 @@ def _causal_lm(args, accelerator, train_raw, val_raw, source, batches: tuple[int
     if not packed:  # a sample is a line: the limits count lines (packed, they count blocks, as in run_clm)
         train_ds, val_ds = _limit(train_ds, args.max_train_samples), _limit(val_ds, args.max_eval_samples)
     tokenizer = _tokenizer(args, list(train_ds[text_col]))
+    datacheck.check_seq_length(args.max_seq_length, tokenizer.num_special_tokens_to_add(), args.task)
     if args.model_name_or_path:
         config = models.load_pretrained_config(args)
     else:
@@ -332,6 +336,8 @@ def _image_classification(args, accelerator, train_raw, val_raw, source, batches
     label_col = data.pick_column(cols, args.label_column, data._LABEL_GUESSES, "label", "label_column")
     for split, ds in _given_splits(train_raw, val_raw):
         datacheck.check_label_values(list(ds[label_col]), label_col, split)
+    if args.train_dir or args.train_file:  # image paths (the built-in and hub images are decoded arrays)
+        datacheck.check_held_out(train_raw, val_raw, [image_col])
     train_raw, val_raw = data.hold_out(train_raw, val_raw, source)
     train_raw, val_raw = _limit(train_raw, args.max_train_samples), _limit(val_raw, args.max_eval_samples)
     train_labels, val_labels = list(train_raw[label_col]), list(val_raw[label_col])
