@@ -19,6 +19,11 @@ CONFIGS = ROOT / "accelerate_configs"
 QUIET = ["--report_to", "none"]
 
 
+def _quiet(args) -> list[str]:
+    # A flag given twice with two values is refused (shared/core/args.py): a test's own --report_to replaces QUIET's.
+    return [] if "--report_to" in map(str, args) else QUIET
+
+
 def _reset_accelerate() -> None:
     # Accelerate keeps process-wide singletons; each in-process run must start from a clean state.
     from accelerate.state import AcceleratorState, GradientState
@@ -41,7 +46,7 @@ def run_recipe(name: str, output_dir: Path, *args: str) -> dict:
     # `accelerate launch` from this test session inherits it.
     saved_env = dict(os.environ)
     try:
-        returned = load_recipe(name).main([*QUIET, *map(str, args), "--output_dir", str(output_dir)])
+        returned = load_recipe(name).main([*_quiet(args), *map(str, args), "--output_dir", str(output_dir)])
     finally:
         _reset_accelerate()
         os.environ.clear()
@@ -58,7 +63,7 @@ def launch_command(name: str, output_dir: Path, *args: str, config: str | None =
     if config:
         cmd += ["--config_file", str(CONFIGS / config)]
     cmd += ["--main_process_port", str(free_port()), *launch_args,
-            str(ROOT / "recipes" / f"{name}.py"), *QUIET, *map(str, args), "--output_dir", str(output_dir)]
+            str(ROOT / "recipes" / f"{name}.py"), *_quiet(args), *map(str, args), "--output_dir", str(output_dir)]
     return cmd, {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
 
 

@@ -147,6 +147,28 @@ def _model_dir(tmp: Path, kind: str, tokenizer: bool = True) -> Path:
     return path
 
 
+def _classifier_dir(tmp: Path, labels: int = 3) -> Path:
+    """A fine-tuned classifier as a user has one: config.json of `labels` labels, its weights and its tokenizer."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from shared.core.data import build_word_tokenizer
+
+    path = tmp / f"classifier-{labels}"
+    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                        num_labels=labels)
+    BertForSequenceClassification(config).save_pretrained(path)
+    build_word_tokenizer([t for t, _ in _ROWS], "text-classification").save_pretrained(path)
+    return path
+
+
+def _cut_weights(tmp: Path) -> Path:
+    """A model directory whose model.safetensors was copied half-way (an interrupted copy or download)."""
+    path = _classifier_dir(tmp, labels=2)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return path
+
+
 def _finished_checkpoint(tmp: Path) -> Path:
     from tests.conftest import run_recipe
 
@@ -171,6 +193,11 @@ class Case:
     setup: object = None  # tmp -> extra argv
     out: object = None  # tmp -> the --output_dir (default tmp/out)
     env: dict = field(default_factory=dict)  # what `accelerate launch --config_file ...` would set
+    # The fix followed: the argv (and recipe, env) the message says to use; with the setup's argv it must pass every
+    # start-up check (test_following_the_fix_passes_the_checks). None: a fix of the data, or of another launch.
+    fix: list | None = None
+    fix_recipe: str = ""
+    fix_env: dict = field(default_factory=dict)
 
 
 CASES = [
@@ -521,7 +548,94 @@ CASES = [
     Case("compile-other-backend", "a launch config's dynamo backend other than inductor", [],
          ["dynamo_backend 'aot_eager'", "Set dynamo_backend: INDUCTOR"],
          env={"ACCELERATE_DYNAMO_BACKEND": "AOT_EAGER"}),
+    # ---- launches that would quietly do less: `accelerate launch` asked for 2 processes, started 1 (its one-process
+    # launcher sets MASTER_ADDR and no WORLD_SIZE); the launches themselves: test_a_launch_of_two_that_starts_one_*
+    Case("lone-launch-num-processes", "`accelerate launch --num_processes 2` with no config on a CPU-only machine "
+         "(one process ran, exit 0)", [],
+         ["was asked for several processes and started this one alone", "Add --multi_gpu to `accelerate launch`",
+          "accelerate_configs/multi_cpu.yaml"],
+         env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "ACCELERATE_USE_CPU": "False"}),
+    Case("lone-launch-cpu", "`accelerate launch --cpu --num_processes 2`, or a `distributed_type: MULTI_CPU` config",
+         [], ["started this one alone", "for --cpu, and for `distributed_type: MULTI_CPU`", "(not --cpu"],
+         env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "ACCELERATE_USE_CPU": "True"}),
+    # ---- flags: misread, given twice, out of range, or for a machine this is not
+    Case("lr-prefix", "`--lr 3e-4` (argparse took prefixes: it was read as --lr_scheduler_type)", ["--lr", "3e-4"],
+         ["unrecognized arguments: --lr 3e-4", "--lr: did you mean --learning_rate?"],
+         fix=["--learning_rate", "3e-4"]),
+    Case("other-codebase-spellings", "Trainer's and timm's spellings: --epochs, --batch_size, --wd",
+         ["--epochs", "3", "--batch_size", "8", "--wd", "0.1"],
+         ["--epochs: did you mean --num_train_epochs?", "--batch_size: did you mean --per_device_train_batch_size?",
+          "--wd: did you mean --weight_decay?"],
+         fix=["--num_train_epochs", "3", "--per_device_train_batch_size", "8", "--weight_decay", "0.1"]),
+    Case("hyphenated-flag", "a flag spelled with hyphens (--learning-rate)", ["--learning-rate", "1e-3"],
+         ["--learning-rate: did you mean --learning_rate?"], fix=["--learning_rate", "1e-3"]),
+    Case("flag-twice", "a flag given twice (argparse kept the last silently)",
+         ["--learning_rate", "1e-4", "--seed", "1", "--learning_rate", "3e-4"],
+         ["--learning_rate is given twice, as 1e-4 and 3e-4", "Pass it once"],
+         fix=["--learning_rate", "3e-4", "--seed", "1"]),
+    Case("flash-attention-on-cpu", "a CUDA-only attention kernel on a machine without CUDA",
+         ["--attn_implementation", "flash_attention_2"],
+         ["--attn_implementation flash_attention_2 runs on CUDA GPUs only", "Pass --attn_implementation sdpa"],
+         fix=["--attn_implementation", "sdpa"]),
+    Case("seed-out-of-range", "a seed beyond numpy's 32-bit range", ["--seed", "4294967296"],
+         ["--seed: must be at most 4,294,967,295 (numpy's seed range)"], fix=["--seed", "4294967295"]),
+    Case("ddp-timeout-too-short", "--ddp_timeout 1: seconds, less than the processes' start-up skew (5-30 s here)",
+         ["--ddp_timeout", "1"], ["--ddp_timeout: must be at least 60 seconds"], fix=["--ddp_timeout", "60"]),
+    Case("negative-max-steps", "a negative --max_train_steps", ["--max_train_steps", "-5"],
+         ["--max_train_steps: must be at least 1, got -5"]),
+    Case("letter-for-a-digit", "a learning rate typed with the letter l for the digit 1", ["--learning_rate", "le-4"],
+         ["--learning_rate: expected a number, got 'le-4'"], fix=["--learning_rate", "1e-4"]),
+    Case("number-with-a-unit", "a batch size with a unit", ["--per_device_train_batch_size", "8k"],
+         ["--per_device_train_batch_size: expected an integer, got '8k'"]),
+    # ---- a model directory that does not load
+    Case("truncated-weights", "model.safetensors cut in half (an interrupted copy)", [],
+         ["model.safetensors is truncated or corrupt", "Copy or download it again"],
+         setup=lambda t: ["--model_name_or_path", _cut_weights(t)]),
+    Case("classifier-of-other-labels", "a fine-tuned 3-label classifier given 2-class data", [],
+         ["is a classifier of 3 labels, and the data has 2", "Pass --ignore_mismatched_sizes"],
+         setup=lambda t: ["--model_name_or_path", _classifier_dir(t), "--train_file", _table(t)],
+         fix=["--ignore_mismatched_sizes"]),
+    # ---- a cache that cannot be written: datasets caches even a local csv there
+    Case("unwritable-hf-home", "HF_HOME not a writable directory", [],
+         ["The Hugging Face cache /dev/null/hf cannot be written", "Set HF_HOME to a writable directory"],
+         setup=lambda t: ["--train_file", _table(t)], env={"HF_HOME": "/dev/null/hf"}, fix=[],
+         fix_env={"HF_HOME": "/tmp/hf_home"}),
+    Case("unwritable-home", "HOME not writable, HF_HOME unset (the cache defaults to ~/.cache/huggingface)", [],
+         ["The Hugging Face cache /dev/null/.cache/huggingface cannot be written", "Set HF_HOME"],
+         setup=lambda t: ["--train_file", _table(t)], env={"HOME": "/dev/null", "HF_HOME": "", "XDG_CACHE_HOME": ""},
+         fix=[], fix_env={"HF_HOME": "/tmp/hf_home"}),
 ]
+# The earlier rows whose fix is a flag or a recipe, followed (argv, recipe, env); the others' fix is in the data, a
+# pip install, or a launch of several processes (test_following_a_launch_fix_clears_the_rule).
+_FOLLOWED = {
+    "batch-larger-than-data": (["--per_device_train_batch_size", "8", "--text_column", "review", "--label_column",
+                                "sentiment"], "", {}),
+    "accumulation-in-plain-recipe": (["--gradient_accumulation_steps", "4"], "gradient_accumulation", {}),
+    "sequence-beyond-positions": (["--task", "causal-lm", "--max_seq_length", "128"], "", {}),
+    "encoder-positions": (["--max_seq_length", "128"], "", {}),
+    "deepspeed-fp16-on-cpu": (["--mixed_precision", "bf16"], "", {}),
+    "paged-optimizer-without-cuda": ([], "", {}),
+    "quantized-without-lora": (["--load_in", "4bit", "--lora"], "", {}),
+    "old-optim-adamw_8bit": (["--optim", "adamw_torchao_8bit"], "", {}),
+    "old-optim-adamw_8bit-combined": (["--optim", "adamw_bnb_8bit"], "", {}),
+    "old-flag-bits": (["--load_in", "4bit"], "", {}),
+    "dora-without-lora": (["--use_dora", "--lora"], "", {}),
+    "chunked-loss-for-classification": (["--chunked_loss", "--task", "causal-lm"], "", {}),
+    "compile-not-wired": ([], "", {}),
+    "text-preset-for-images": (["--task", "causal-lm", "--model_preset", "tiny-moe"], "", {}),
+    "compile-other-backend": ([], "", {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}),
+    "warmup-past-the-end": (["--num_warmup_steps", "1"], "", {}),
+    "save-limit-without-checkpoints": (["--save_total_limit", "2", "--checkpointing_steps", "1"], "", {}),
+    "tracker-typo": (["--report_to", "tensorboard"], "", {}),
+    "resume-past-the-end": (["--max_train_steps", "4"], "", {}),
+    # fixes that lead to the next refusal, a true one: the tiny data then holds too few blocks, or no label column
+    "too-little-text": (["--task", "causal-lm", "--max_seq_length", "4", "--per_device_train_batch_size", "2"], "", {}),
+    "missing-text-column": (["--text_column", "review", "--label_column", "sentiment"], "", {}),
+}
+for _case in CASES:
+    if _case.id in _FOLLOWED:
+        _case.fix, _case.fix_recipe, _case.fix_env = _FOLLOWED[_case.id]
+assert set(_FOLLOWED) <= {c.id for c in CASES}
 
 
 def _ds_json(tmp: Path, **values) -> Path:
@@ -557,7 +671,7 @@ def test_bad_input_fails_fast_with_the_fix(case, tmp_path, capsys, monkeypatch):
     capsys.readouterr()  # what a setup run printed is not this case's
     out = case.out(tmp_path) if case.out else tmp_path / "out"
     with pytest.raises(SystemExit) as exc:
-        run_recipe(case.recipe, out, *argv, "--max_train_steps", 2)
+        run_recipe(case.recipe, out, *argv, *_steps(argv))
     printed = capsys.readouterr()
     message = f"{exc.value.code}\n{printed.err}"
     for fragment in case.says:
@@ -640,6 +754,124 @@ def test_the_data_fixes_work_when_followed(tmp_path):
         run_recipe("baseline", tmp_path / "c", *small, "--max_seq_length", 2)
     least = re.search(r"Pass --max_seq_length (\d+) or more", str(exc.value.code)).group(1)
     run_recipe("baseline", tmp_path / "d", *small, "--max_seq_length", least, "--no_save_model")
+
+
+def _steps(argv: list) -> list:
+    return [] if "--max_train_steps" in map(str, argv) else ["--max_train_steps", 2]  # (twice would be refused)
+
+
+FIXED = [c for c in CASES if c.fix is not None]
+
+
+def _forget_deepspeed() -> None:
+    """A ZeRO run in this process leaves Transformers' global DeepSpeed config behind: the next in-process run would
+    build its model under zero.Init."""
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+
+
+@pytest.mark.parametrize("case", FIXED, ids=[c.id for c in FIXED])
+def test_following_the_fix_passes_the_checks(case, tmp_path, capsys, monkeypatch):
+    """Doing what the refusal says gets the run through every start-up check: data and model loaded and prepared,
+    and --preflight stops it (exit 0) before the first step."""
+    from tests.conftest import run_recipe
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for key, value in {**case.env, **case.fix_env}.items():
+        monkeypatch.setenv(key, value)
+    argv = [*case.fix, *(case.setup(tmp_path) if case.setup else [])]
+    capsys.readouterr()  # what a setup run printed is not this case's
+    try:
+        with pytest.raises(SystemExit) as exc:
+            run_recipe(case.fix_recipe or case.recipe, tmp_path / "out", *argv, *_steps(argv), "--preflight")
+    finally:
+        _forget_deepspeed()
+    assert exc.value.code in (0, None), f"{case.id}: the fix does not pass: {str(exc.value.code)[-1500:]}"
+    assert (tmp_path / "out" / "preflight.json").exists()
+    assert "train:" not in capsys.readouterr().err
+
+
+def test_following_a_launch_fix_clears_the_rule():
+    """Rows whose fix is another launch (more processes, another launch config): the rule table refuses the run as
+    launched and takes it as the fix says."""
+    from dataclasses import replace
+
+    from shared.core.rules import Run, refusals
+
+    cases = [  # (the run refused, its words, the run as fixed)
+        (Run(recipe="baseline", sharding="none", launched="none", on_accelerator=False, lone_launch=True),
+         "started this one alone", dict(lone_launch=False, sharding="ddp", launched="ddp", num_processes=2)),
+        (Run(recipe="fsdp", sharding="fsdp", launched="none"), "needs at least 2 processes",
+         dict(launched="fsdp", num_processes=2)),
+        (Run(recipe="pipeline_parallel", sharding="ddp", launched="ddp", num_processes=2, microbatches=4,
+             batch_size=6), "not divisible by --n_microbatches", dict(batch_size=8)),
+        (Run(recipe="pipeline_parallel", sharding="ddp", launched="ddp", num_processes=2, packing="per_document",
+             task="causal-lm"), "attend to each other", dict(packing="concat")),
+    ]
+    for run, words, fixed in cases:
+        assert any(words in r for r in refusals(run)), (words, refusals(run))
+        assert refusals(replace(run, **fixed)) == [], (words, refusals(replace(run, **fixed)))
+
+
+def test_a_classifier_of_other_labels_trains_with_the_fix(tmp_path, monkeypatch):
+    """--ignore_mismatched_sizes, as the refusal says: the 3-label head is replaced by a 2-label one, the rest loads,
+    and the run trains and saves a 2-label classifier."""
+    from tests.conftest import load_params, run_recipe
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = run_recipe("baseline", tmp_path / "out", "--model_name_or_path", _classifier_dir(tmp_path), "--train_file",
+                   _table(tmp_path), "--ignore_mismatched_sizes", "--max_train_steps", 3)
+    assert r["train_loss"] > 0
+    assert load_params(tmp_path / "out")["classifier.weight"].shape == (2, 32)  # the new head, trained and saved
+
+
+_USER_MULTI_CPU = """\
+# as `accelerate config` writes it on a CPU-only machine (multi-CPU, 2 processes)
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: MULTI_CPU
+downcast_bf16: 'no'
+machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: true
+"""
+_SMALL = ("--max_train_steps", 2, "--max_train_samples", 64, "--max_eval_samples", 16, "--max_seq_length", 32,
+          "--no_save_model")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch_args, own_config, fixed", [
+    (("--num_processes", "2"), False, ("--multi_gpu", "--num_processes", "2")),
+    ((), True, ("--multi_gpu",)),
+    (("--cpu", "--num_processes", "2"), False, None),  # its fix is the first row's
+], ids=["num-processes-without-config", "own-multi-cpu-config", "cpu-flag"])
+def test_a_launch_of_two_that_starts_one_is_refused_and_the_fix_runs_two(launch_args, own_config, fixed, tmp_path):
+    """Without GPUs, Accelerate 1.15 starts one process for these launches of two, and that one trained to the end
+    (exit 0). Now it is refused before the first step, and the launch the message gives runs two processes."""
+    from tests.conftest import launch
+
+    config = None
+    if own_config:
+        config = str(tmp_path / "my_config.yaml")
+        Path(config).write_text(_USER_MULTI_CPU)
+    env = {"HF_HOME": str(tmp_path / "hf")}  # no default accelerate config of this machine's user
+    proc = launch("baseline", tmp_path / "out", *_SMALL, config=config, launch_args=launch_args, env=env,
+                  expect_fail=True, timeout=300)
+    printed = proc.stdout + proc.stderr
+    assert "started this one alone" in printed and "Add --multi_gpu to `accelerate launch`" in printed, printed[-2000:]
+    assert "train:" not in printed and not (tmp_path / "out" / "results.json").exists()
+    if fixed:
+        r = launch("baseline", tmp_path / "fixed", *_SMALL, config=config, launch_args=fixed, env=env, timeout=300)
+        assert r["num_processes"] == 2 and r["distributed_type"] == "MULTI_CPU", r
 
 
 def test_refusal_under_launch_is_shown_once_at_the_end(tmp_path):

@@ -130,7 +130,9 @@ def _run(dest: Path, recipe: str, *extra: str, config: str | None = None) -> dic
     if config:
         cmd += ["-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
                 "--main_process_port", str(free_port())]
-    cmd += [f"{recipe}.py", *SMALL, *extra, "--output_dir", "out"]
+    # SMALL's pairs but those `extra` sets: a flag given twice with two values is refused (shared/core/args.py)
+    small = [t for pair in zip(SMALL[:-1:2], SMALL[1::2], strict=True) if pair[0] not in extra for t in pair]
+    cmd += [f"{recipe}.py", *small, SMALL[-1], *extra, "--output_dir", "out"]
     proc = subprocess.run(cmd, cwd=dest, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     _assert_not_the_repo(proc.stdout + proc.stderr)

@@ -148,7 +148,8 @@ _ASKS = [
     {"checkpoint_impl": "hf", "checkpoint_every": 2}, {"checkpoint_impl": "hf", "checkpoint_policy": "selective"},
     {"shard_vocab": True, "task": "image-classification"}, {"chunked_loss": True, "task": "text-classification"},
     {"model_given": False}, {"preset": "tiny-llama", "task": "image-classification"},
-    {"preset": "tiny-moe", "task": "text-classification"},
+    {"preset": "tiny-moe", "task": "text-classification"}, {"lone_launch": True},
+    {"attention": "flash_attention_2", "on_accelerator": False},
 ]
 _FACTS = [
     {"model_type": "llama", "tp_plans": ("gpt2", "bert")}, {"heads": 4, "mlp_width": 6, "tp_degree": 4},

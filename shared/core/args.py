@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
+from difflib import get_close_matches
 
 PRESETS = ("tiny", "base", "tiny-llama", "tiny-moe")  # --model_preset (shared/core/models.py builds them)
 
@@ -31,7 +33,7 @@ def number(kind: type = int, low: float | None = None, high: float | None = None
                   (high, value <= high if high is not None else True, "at most"),
                   (above, value > above if above is not None else True, "greater than"),
                   (below, value < below if below is not None else True, "less than")]
-        wrong = [f"{words} {bound:g}" for bound, ok, words in bounds if bound is not None and not ok]
+        wrong = [f"{words} {bound:,}" for bound, ok, words in bounds if bound is not None and not ok]
         if kind is float and not math.isfinite(value):
             wrong.append("finite")
         if wrong:
@@ -55,6 +57,10 @@ RENAMED_VALUES = {"adamw_8bit": ("adamw_bnb_8bit", "adamw_torchao_8bit"), "bnb_a
                   "adamw_fp8": ("adamw_torchao_fp8",)}
 # Flags of earlier versions: (today's flag, how it spells the old flag's value). Refused where the new flag exists.
 RENAMED_FLAGS = {"--bits": ("--load_in", "{}bit")}  # recipes/qlora.py's --bits 4 / 8
+# Trainer's and timm's names of our flags, for an unknown flag (without allow_abbrev, --lr was --lr_scheduler_type).
+SPELLINGS = {"--lr": "--learning_rate", "--epochs": "--num_train_epochs", "--wd": "--weight_decay", "--bs":
+             "--per_device_train_batch_size", "--batch_size": "--per_device_train_batch_size", "--max_steps":
+             "--max_train_steps", "--warmup_steps": "--num_warmup_steps", "--fp16": "--mixed_precision fp16"}
 
 
 def one_of(*names: str) -> dict:
@@ -81,6 +87,11 @@ def _renamed_flag(old: str, new: str, value: str) -> Callable[[str], str]:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:
+        if message.startswith("unrecognized arguments: "):  # argparse says no more: name the flag meant
+            for flag in [t.split("=")[0] for t in message.split()[2:] if t[:1] == "-" and t.strip("-")[:1].isalpha()]:
+                name, opts = SPELLINGS.get(flag, "--" + flag.lstrip("-").replace("-", "_")), self._option_string_actions
+                meant = [name] if name.split()[0] in opts else get_close_matches(name, opts, 1)
+                message += f". {flag}: " + (f"did you mean {meant[0]}?" if meant else "no such flag (see --help)")
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # under a launcher: shown once, in its summary (entrypoint)
             raise SystemExit(f"{self.prog}: error: {message}")
         super().error(message)
@@ -103,7 +114,7 @@ def parse_args(
     **defaults: object,
 ) -> argparse.Namespace:
     """Parse the common flags and the recipe's own; `defaults` override the common defaults for one recipe."""
-    p = _Parser(description=description, formatter_class=HelpFormatter)
+    p = _Parser(description=description, formatter_class=HelpFormatter, allow_abbrev=False)
     g = p.add_argument_group("task and model")
     g.add_argument("--task", default="text-classification", choices=TASKS)
     g.add_argument("--model_name_or_path", default=None,
@@ -118,6 +129,7 @@ def parse_args(
                    help="Set every dropout probability to 0: runs that differ only in batching then match exactly.")
     g.add_argument("--trust_remote_code", action="store_true",
                    help="Run code shipped with a hub model. Off unless passed.")
+    g.add_argument("--ignore_mismatched_sizes", action="store_true", help="A classifier of other labels: a new head.")
     g.add_argument("--attn_implementation", default=None,
                    help="eager, sdpa, flash_attention_2 ... Unset: Transformers' choice (sdpa where the model has it).")
 
@@ -175,8 +187,8 @@ def parse_args(
                         "use_regional_compilation; the shortest cold start), the rest of the model compiled apart. "
                         "full: the whole model as one graph. Unset: eager. Recipes that do not compile through "
                         "prepare() refuse it (shared/core/rules.py).")
-    g.add_argument("--seed", type=number(int, low=0), default=42)
-    g.add_argument("--ddp_timeout", type=COUNT, default=1800,
+    g.add_argument("--seed", type=number(int, low=0, high=2**32 - 1, note=" (numpy's seed range)"), default=42)
+    g.add_argument("--ddp_timeout", default=1800, type=number(int, low=60, note=" seconds (start-ups take 5-30 s)"),
                    help="Seconds a process waits for the others in a collective before failing.")
 
     g = p.add_argument_group("output")
@@ -203,6 +215,12 @@ def parse_args(
         if action.help is None and action.option_strings:
             action.help = "default: %(default)s"
     args = p.parse_args(argv)
+    seen, tokens = {}, [str(t) for t in (sys.argv[1:] if argv is None else argv)]  # argparse keeps the last silently
+    for i, (flag, eq, value) in enumerate(t.partition("=") for t in tokens):
+        action = p._option_string_actions.get(flag) if flag.startswith("--") else None
+        value = value if eq else tokens[i + 1] if action and action.nargs != 0 and i + 1 < len(tokens) else ""
+        if action and seen.setdefault(action.dest, value) != value:
+            p.error(f"{flag} is given twice, as {seen[action.dest]} and {value}: only the last counts. Pass it once.")
     # Which flags the user really passed (not defaults): a recipe can then tell a choice from a default when
     # another source (an accelerate config, a DeepSpeed JSON) sets the same thing. argparse fills a default only
     # where the namespace lacks the attribute, so a namespace pre-filled with a marker keeps it for unset flags.

@@ -224,14 +224,22 @@ def resolve_launch(
 
         sharding, offload = "fsdp", "cpu" if isinstance(fsdp_plugin.cpu_offload, CPUOffloadPolicy) else "none"
     on_cpu = not has_accelerator()
+    lone = "WORLD_SIZE" not in os.environ and {"MASTER_ADDR", "ACCELERATE_USE_CPU"} <= os.environ.keys()
     run = rules.Run(recipe=recipe, sharding=sharding, launched=launched, offload=offload, num_processes=world,
-                     precision=mixed_precision, on_accelerator=not on_cpu,
-                     accumulation=accumulation, max_grad_norm=clipping, compile=torch_compile,
+                     precision=mixed_precision, on_accelerator=not on_cpu, attention=args.attn_implementation or "",
+                     accumulation=accumulation, max_grad_norm=clipping, compile=torch_compile, lone_launch=lone,
                      packing=args.packing if args.task == "causal-lm" or "packing" in args.explicit_flags else "none",
                      parallelism_config=rules.launched_parallelism(os.environ),
                      preset="" if args.model_name_or_path else args.model_preset, **{"task": args.task, **asks})
     rules.check(run)  # the rule table: refused here, with the reason and the fix
     check_environment(mixed_precision, uses_deepspeed=sharding.startswith("zero"))
+    home = Path(os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
+                                                  "huggingface"))  # datasets and Transformers cache what they load
+    there = next(p for p in (home, *home.parents) if p.exists())
+    if (args.train_file or args.validation_file or args.dataset_name or args.model_name_or_path) and not (
+            there.is_dir() and os.access(there, os.W_OK)):  # (the built-in data and presets need no cache)
+        raise SystemExit(f"The Hugging Face cache {home} cannot be written ({there} is not a writable directory). "
+                         "Set HF_HOME to a writable directory (export HF_HOME=/tmp/hf_home).")
     log_with = _trackers(args.report_to)
     # Last of the checks: --overwrite_output_dir removes the old run, which a refusal above must not have cost.
     if os.environ.get("RANK", "0") == "0":  # the main process: one run per output directory

@@ -92,14 +92,25 @@ def unreachable(name: str, err: Exception) -> SystemExit:
 
 
 def load_pretrained_config(args: argparse.Namespace, **overrides: object) -> PretrainedConfig:
+    from safetensors import SafetensorError, safe_open
     from transformers import AutoConfig
 
+    name = args.model_name_or_path
+    for path in sorted(Path(name).glob("*.safetensors")):  # else a bare header error in from_pretrained
+        try:
+            safe_open(str(path), "pt").keys()
+        except SafetensorError as err:
+            raise SystemExit(f"{path} is truncated or corrupt ({err}). Copy or download it again.") from None
     try:
-        config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code,
-                                            **overrides)
+        config = AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code, **overrides)
     except OSError as err:
-        raise unreachable(args.model_name_or_path, err) from None
-    check_fits_task(config, args.task, args.model_name_or_path)
+        raise unreachable(name, err) from None
+    check_fits_task(config, args.task, name)
+    trained, labels = len(type(config).get_config_dict(name)[0].get("id2label") or {}), overrides.get("num_labels")
+    if "Classification" in str(config.architectures) and trained not in (0, labels or trained) and not getattr(
+            args, "ignore_mismatched_sizes", False):  # its head's saved weights would not load
+        raise SystemExit(f"{name!r} is a classifier of {trained} labels, and the data has {labels}. Pass --ignore_"
+                         f"mismatched_sizes to train a new head of {labels} labels on the rest, or data of {trained}.")
     return config
 
 
@@ -154,7 +165,7 @@ def build_model(args: argparse.Namespace, config: PretrainedConfig) -> nn.Module
     attn = {"attn_implementation": args.attn_implementation} if getattr(args, "attn_implementation", None) else {}
     if args.model_name_or_path:
         return auto.from_pretrained(args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code,
-                                    **attn)
+                                    ignore_mismatched_sizes=getattr(args, "ignore_mismatched_sizes", False), **attn)
     return auto.from_config(config, **attn)
 
 

@@ -167,6 +167,8 @@ class Run:
     num_processes: int = 1
     precision: str = "no"
     on_accelerator: bool = True
+    lone_launch: bool = False  # MASTER_ADDR, no WORLD_SIZE: `accelerate launch` asked for N, started this one
+    attention: str = ""  # --attn_implementation ("": Transformers' choice)
     accumulation: int = 1
     load_in: str = "full"  # full | 8bit | 4bit: base weights, quantized by bitsandbytes unless full (LOAD_IN)
     quant_storage: str = "uint8"
@@ -396,6 +398,14 @@ RULES: tuple[Rule, ...] = (
          lambda r: "drop parallelism_config from the launch config and use recipes/tensor_parallel.py --tp_size N "
                    "(the same TP x FSDP2 mesh, built with torch's init_device_mesh) with accelerate_configs/"
                    "tp2_dp2.yaml; for long sequences on CPU, DeepSpeed's Ulysses sequence parallel"),
+    Rule(lambda r: r.lone_launch,
+         lambda r: "accelerate launch was asked for several processes and started this one alone: without GPUs it "
+                   "does so for --num_processes N without a config, for --cpu, and for `distributed_type: MULTI_CPU`",
+         lambda r: "add --multi_gpu to `accelerate launch` (not --cpu: the recipe runs gloo DDP on a CPU-only "
+                   "machine), or use --config_file accelerate_configs/multi_cpu.yaml (MULTI_GPU with use_cpu: true)"),
+    Rule(lambda r: r.attention.startswith("flash_attention") and not r.on_accelerator,
+         lambda r: f"--attn_implementation {r.attention} runs on CUDA GPUs only, and this machine has none",
+         lambda r: "pass --attn_implementation sdpa (or eager), or leave it unset"),
     Rule(lambda r: r.packing == "per_document" and RECIPES[r.recipe].own_attention_mask,
          lambda r: f"--packing per_document: recipes/{r.recipe}.py runs the model through its own pipeline stages, "
                    "whose plain causal mask would let packed documents attend to each other",
