@@ -518,8 +518,9 @@ def _adapted_baseline(text: str) -> str:
     return text.replace(anchor, f"{anchor}\n\n{blocks['functions']}").replace(old, blocks["main"])
 
 
-# In the adapted copy: one batch of every training row, its losses with and without the weights (eval mode: the
-# same logits for a row in the whole batch and in the half), the keys the model's forward received.
+# In the adapted copy: one batch of every training row; the model trained a little on the weighted half (whose words
+# say the label), so that the halves' losses differ; the batch's losses with and without the weights (eval mode: a
+# row's logits the same in the whole batch and in the half); the keys the model's forward received.
 WEIGHT_CHECK = """
 import json, sys
 import torch
@@ -541,6 +542,12 @@ model.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=Tr
 rows = task.train_dataloader.dataset
 batch = next(iter(DataLoader(rows, batch_size=len(rows), collate_fn=task.train_dataloader.collate_fn)))
 half = {k: v[batch["weight"] == 1] for k, v in batch.items()}
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for _ in range(20):
+    task.loss(model.train(), half).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+model.eval()
 with torch.no_grad():
     plain_all, plain_half = task.loss(model, batch).item(), task.loss(model, half).item()
     task.loss_fn, task.count_fn = baseline.weighted_loss, baseline.total_weight
@@ -558,9 +565,10 @@ def test_a_weight_column_trains_a_copy_without_editing_its_core(tmp_path):
     copy_recipe("baseline", dest)
     recipe = dest / "baseline.py"
     recipe.write_text(_adapted_baseline(recipe.read_text()))
+    # Weighted rows say their label (great/dull ...), the rows weighted 0 do not (a film, a plot).
     words = (["great", "fine", "lovely", "superb"], ["dull", "awful", "long", "poor"])
-    rows = [{"text": f"{words[label][i % 4]} film {words[label][(i // 4) % 4]} plot {i}", "label": label,
-             "weight": float(i % 2 == 0)} for i in range(48) for label in [(i // 2) % 2]]
+    rows = [{"text": f"{words[label][i % 4]} film {words[label][(i // 4) % 4]}" if i % 2 == 0 else f"a film {i}",
+             "label": label, "weight": float(i % 2 == 0)} for i in range(48) for label in [(i // 2) % 2]]
     (dest / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     flags = ["--train_file", "train.jsonl", "--report_to", "none", "--max_seq_length", "16", "--output_dir", "chk"]
     (dest / "check_weights.py").write_text(WEIGHT_CHECK)
@@ -570,7 +578,7 @@ def test_a_weight_column_trains_a_copy_without_editing_its_core(tmp_path):
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert 0 < r["half"] < r["rows"]
     assert r["weighted"] == pytest.approx(r["plain_half"], rel=1e-6)  # weight 0: as if the row were not there
-    assert abs(r["weighted"] - r["plain_all"]) > 1e-3  # and the weights did something
+    assert r["plain_all"] - r["weighted"] > 0.05, r  # the unweighted loss counts the rows the model cannot know
     assert r["weighted_half"] == pytest.approx(r["plain_half"], rel=1e-6)  # weight 1 everywhere: the plain loss
     assert "weight" not in r["seen"] and "input_ids" in r["seen"], r["seen"]  # never passed to the model
     assert "no column ['wieght']" in r["refused"] and "weight" in r["refused"]  # a typo is named, with the columns
