@@ -536,7 +536,7 @@ def _readme(c: Copy, doc: str, core_files: list[str]) -> bytes:
         notes.append("Each `accelerate launch` line starts the `num_processes` processes its config names, on this "
                      "machine (the comment on the line gives the number); `--num_processes N` after `launch` "
                      "overrides it.")
-    else:
+    elif c.recipe in RECIPES:  # the table's one-process recipes (a recipe of the user's: its docstring named none)
         notes.append("This recipe trains in one process (the recipes' rule table refuses more), so no launch config "
                      "comes with it: `python` is the whole command, on a CPU-only machine as on a GPU.")
     for cfg in big:
