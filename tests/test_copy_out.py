@@ -484,7 +484,8 @@ def test_every_multi_process_recipe_gets_the_cpu_config_and_says_what_each_line_
                 re.search(r"(?m)^num_processes: (\d+)", c.files[cfg][0].decode()).group(1))
             assert re.search(rf"# {n} process(es)?\b", line), line
         if "accelerate_configs/multi_cpu.yaml" in c.configs:
-            assert "CPU-only machine" in next(x for x in readme.splitlines() if "multi_cpu.yaml " + recipe in x)
+            assert "CPU-only machine" in next(x for x in readme.splitlines() if x.startswith(
+                f"accelerate launch --config_file accelerate_configs/multi_cpu.yaml {recipe}.py "))
         if "accelerate_configs/multi_gpu.yaml" in c.configs:
             assert "set `num_processes` in it to your GPU count" in readme
     # gradient_accumulation names no config: its copy still has both launch lines

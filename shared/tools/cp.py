@@ -377,6 +377,9 @@ def launch_note(path: Path) -> str:
 PIP_OF_IMPORT = {"PIL": "pillow", "yaml": "accelerate", "numpy": "accelerate", "huggingface_hub": "transformers",
                  "packaging": "accelerate", "safetensors": "safetensors", "tokenizers": "tokenizers"}
 NEVER_REQUIRED = ("pytest", "pytest-xdist", "ruff")  # the repository's own test and lint tools
+# Names whose use needs a package the file never imports: transformers imports bitsandbytes to load a model
+# quantized by a BitsAndBytesConfig (qlora.py).
+PACKAGE_OF_NAME = {"BitsAndBytesConfig": "bitsandbytes"}
 TRACKER_PACKAGES = {"comet_ml": "comet-ml"}  # --report_to tracker -> pip name, where they differ (core/launch.py)
 
 
@@ -427,6 +430,7 @@ def _file_needs(data: bytes) -> frozenset[str]:
             names |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module.split(".")[0])
+            names |= {PACKAGE_OF_NAME[a.name] for a in node.names if a.name in PACKAGE_OF_NAME}
     tracker = _report_to_default(tree)
     if tracker and tracker not in ("none", "all"):
         names |= {TRACKER_PACKAGES.get(t.strip(), t.strip()) for t in tracker.split(",") if t.strip()}
