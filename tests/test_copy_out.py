@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import json
 import math
 import os
@@ -361,11 +362,12 @@ def test_never_overwrites_the_users_files(tmp_path):
     assert sorted(p.name for p in other.rglob("*")) == ["accelerate_configs", "multi_gpu.yaml"]
 
 
-def _edited_core_survives(dest: Path, second: str, force: bool) -> None:
-    """Copy baseline, edit two copied files as a user would, copy `second` into the same folder."""
+def _edited_core_survives(dest: Path, second: str, force: bool, run: bool) -> None:
+    """Copy baseline, edit two copied files as a user would, copy `second` into the same folder (and run it there:
+    the edit in effect, unless --force took the fresh copy)."""
     copy_recipe("baseline", dest)
     args = dest / VENDORED / "core" / "args.py"
-    mine = args.read_text() + "# my tweak\n"
+    mine = args.read_text() + 'print("my tweak in effect")\n'
     args.write_text(mine)
     gpu = dest / "accelerate_configs" / "multi_gpu.yaml"  # as the README says: num_processes set to the GPU count
     gpu_mine = gpu.read_text().replace("num_processes: 8", "num_processes: 2")
@@ -396,12 +398,19 @@ def _edited_core_survives(dest: Path, second: str, force: bool) -> None:
     req = _check_requirements(dest / "requirements.txt")  # both recipes' packages
     assert "deepspeed" in req if second == "zero" else "tensorboard" in req
     compile((dest / f"{second}.py").read_text(), f"{second}.py", "exec")
+    if run:
+        proc = subprocess.run([sys.executable, f"{second}.py", *SMALL, "--output_dir", "out"], cwd=dest, env=_env(),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert ("my tweak in effect" in proc.stdout) == (not force), proc.stdout[-2000:]
+        _check_results(json.loads((dest / "out" / "results.json").read_text()), second, 1)
 
 
-@pytest.mark.parametrize("second, force", [("zero", False), ("fsdp", True), ("gradient_accumulation", False),
-                                           ("data_parallel", True)])
-def test_a_second_recipe_never_loses_the_users_edits(tmp_path, second, force):
-    _edited_core_survives(_outside(tmp_path), second, force)
+# zero and fsdp are compiled only (DeepSpeed's start-up; FSDP needs 2 processes): the two others run in the copy.
+@pytest.mark.parametrize("second, force, run", [("zero", False, False), ("fsdp", True, False),
+                                                ("gradient_accumulation", False, True), ("data_parallel", True, True)])
+def test_a_second_recipe_never_loses_the_users_edits(tmp_path, second, force, run):
+    _edited_core_survives(_outside(tmp_path), second, force, run)
 
 
 def test_no_tool_is_in_any_copy(tmp_path):
@@ -452,6 +461,8 @@ def test_requirements_are_what_the_copy_imports(tmp_path):
     assert {"torch", "accelerate", "transformers", "tensorboard"} <= set(base)  # tensorboard: --report_to's default
     assert not set(base) & {"deepspeed", "bitsandbytes", "peft", "torchao", "matplotlib"}, base
     assert "deepspeed" in _check_requirements_of("zero3_offload", tmp_path)
+    assert "deepspeed" in _check_requirements_of("zero", tmp_path)
+    assert {"bitsandbytes", "peft"} <= set(_check_requirements_of("qlora", tmp_path))
     assert {"bitsandbytes", "torchao"} <= set(_check_requirements_of("optim_low_bit", tmp_path))
     assert "peft" in _check_requirements_of("qlora", tmp_path)
 
@@ -477,9 +488,108 @@ def test_every_multi_process_recipe_gets_the_cpu_config_and_says_what_each_line_
                 re.search(r"(?m)^num_processes: (\d+)", c.files[cfg][0].decode()).group(1))
             assert re.search(rf"# {n} process(es)?\b", line), line
         if "accelerate_configs/multi_cpu.yaml" in c.configs:
-            assert "CPU-only machine" in next(x for x in readme.splitlines() if "multi_cpu.yaml " + recipe in x)
+            assert "CPU-only machine" in next(x for x in readme.splitlines() if x.startswith(
+                f"accelerate launch --config_file accelerate_configs/multi_cpu.yaml {recipe}.py "))
         if "accelerate_configs/multi_gpu.yaml" in c.configs:
             assert "set `num_processes` in it to your GPU count" in readme
     # gradient_accumulation names no config: its copy still has both launch lines
     assert {"accelerate_configs/multi_cpu.yaml", "accelerate_configs/multi_gpu.yaml"} <= set(
         plan_copy(ROOT / "recipes" / "gradient_accumulation.py", tmp_path / "ga").configs)
+
+
+def test_every_config_a_copy_names_is_in_the_copy(tmp_path):
+    """Every `--config_file X` and every accelerate_configs/ file that a copy's README or its recipe's docstring
+    names is a file of the copy, for every recipe; and the README says what to run on a CPU-only machine, and on a
+    GPU machine where the recipe runs in several processes."""
+    for recipe in recipe_names():
+        dest = tmp_path / recipe
+        c = copy_recipe(recipe, dest)
+        readme = (dest / "README.md").read_text()
+        text = readme + (ast.get_docstring(ast.parse((dest / f"{recipe}.py").read_text())) or "")
+        named = set(re.findall(r"--config_file\s+([^\s`]+)", text)) | set(
+            re.findall(r"accelerate_configs/[\w.\-]+\.(?:ya?ml|json)\b", text))
+        assert (named and all((dest / n).is_file() for n in named)) if c.configs else not named, (recipe, named)
+        assert "CPU-only machine" in readme, recipe
+        if any("num_processes: 1\n" not in (dest / cfg).read_text() for cfg in c.configs):
+            assert "On a GPU machine" in readme and "--num_processes N" in readme, recipe
+
+
+def _adapted_baseline(text: str) -> str:
+    """The copied baseline.py with the edit docs/adapting_a_copy.md shows (its two marked code blocks)."""
+    doc = (ROOT / "docs" / "adapting_a_copy.md").read_text()
+    blocks = dict(re.findall(r"<!-- adapt: (\w+) -->\n```python\n(.*?)```", doc, re.S))
+    old, anchor = "    task = load_task(launch, accelerator)\n", 'RECIPE = "baseline"\n'
+    assert set(blocks) == {"functions", "main"} and text.count(old) == 1 and text.count(anchor) == 1
+    return text.replace(anchor, f"{anchor}\n\n{blocks['functions']}").replace(old, blocks["main"])
+
+
+# In the adapted copy: one batch of every training row; the model trained a little on the weighted half (whose words
+# say the label), so that the halves' losses differ; the batch's losses with and without the weights (eval mode: a
+# row's logits the same in the whole batch and in the half); the keys the model's forward received.
+WEIGHT_CHECK = """
+import json, sys
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from recipe_core.core.args import parse_args
+from recipe_core.core.launch import resolve_launch
+from recipe_core.core.tasks import load_task
+import baseline
+
+launch, accelerator = resolve_launch(parse_args(sys.argv[1:]), "baseline"), Accelerator(cpu=True)
+try:
+    load_task(launch, accelerator, keep_columns=("wieght",))
+except SystemExit as err:
+    refused = str(err)
+task = load_task(launch, accelerator, keep_columns=("weight",))
+model, seen = task.model.eval(), set()
+model.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+rows = task.train_dataloader.dataset
+batch = next(iter(DataLoader(rows, batch_size=len(rows), collate_fn=task.train_dataloader.collate_fn)))
+half = {k: v[batch["weight"] == 1] for k, v in batch.items()}
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for _ in range(20):
+    task.loss(model.train(), half).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+model.eval()
+with torch.no_grad():
+    plain_all, plain_half = task.loss(model, batch).item(), task.loss(model, half).item()
+    task.loss_fn, task.count_fn = baseline.weighted_loss, baseline.total_weight
+    weighted, weighted_half = task.loss(model, batch).item(), task.loss(model, half).item()
+print(json.dumps(dict(rows=len(rows), half=len(half["labels"]), plain_all=plain_all, plain_half=plain_half,
+                      weighted=weighted, weighted_half=weighted_half, seen=sorted(seen), refused=refused)))
+"""
+
+
+def test_a_weight_column_trains_a_copy_without_editing_its_core(tmp_path):
+    """docs/adapting_a_copy.md's worked example, in a copy: a `weight` column kept beside the model's inputs
+    (load_task(keep_columns=)), a weighted loss (Task.loss_fn / count_fn) in the recipe, recipe_core/ untouched.
+    Weight 0 on half of the rows: the loss is the other half's alone, not the whole batch's."""
+    dest = _outside(tmp_path)
+    copy_recipe("baseline", dest)
+    recipe = dest / "baseline.py"
+    recipe.write_text(_adapted_baseline(recipe.read_text()))
+    # Weighted rows say their label (great/dull ...), the rows weighted 0 do not (a film, a plot).
+    words = (["great", "fine", "lovely", "superb"], ["dull", "awful", "long", "poor"])
+    rows = [{"text": f"{words[label][i % 4]} film {words[label][(i // 4) % 4]}" if i % 2 == 0 else f"a film {i}",
+             "label": label, "weight": float(i % 2 == 0)} for i in range(48) for label in [(i // 2) % 2]]
+    (dest / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = ["--train_file", "train.jsonl", "--report_to", "none", "--max_seq_length", "16", "--output_dir", "chk"]
+    (dest / "check_weights.py").write_text(WEIGHT_CHECK)
+    proc = subprocess.run([sys.executable, "check_weights.py", *flags], cwd=dest, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert 0 < r["half"] < r["rows"]
+    assert r["weighted"] == pytest.approx(r["plain_half"], rel=1e-6)  # weight 0: as if the row were not there
+    assert r["plain_all"] - r["weighted"] > 0.05, r  # the unweighted loss counts the rows the model cannot know
+    assert r["weighted_half"] == pytest.approx(r["plain_half"], rel=1e-6)  # weight 1 everywhere: the plain loss
+    assert "weight" not in r["seen"] and "input_ids" in r["seen"], r["seen"]  # never passed to the model
+    assert "no column ['wieght']" in r["refused"] and "weight" in r["refused"]  # a typo is named, with the columns
+
+    _check_results(_run(dest, "baseline", "--train_file", "train.jsonl"), "baseline", 1)  # the adapted recipe trains
+    manifest = json.loads((dest / VENDORED / "COPIED_FROM.json").read_text())["files"]
+    core = [rel for rel in manifest if rel.startswith(f"{VENDORED}/")]
+    assert core and all(hashlib.sha256((dest / rel).read_bytes()).hexdigest() == manifest[rel]["sha256"]
+                        for rel in core)

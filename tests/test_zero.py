@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import CONFIGS, ROOT, launch, load_params, load_recipe, max_param_diff
+from tests.conftest import CONFIGS, ROOT, launch, launch_command, load_params, load_recipe, max_param_diff
 
 pytestmark = pytest.mark.slow
 
@@ -273,16 +274,26 @@ def test_zero3_offload_runs_without_config(tmp_path):
 
 def test_zero3_nvme_offload_end_to_end(tmp_path):
     nvme = tmp_path / "nvme"
+    (nvme / "zero_stage_3").mkdir(parents=True)
+    (nvme / "mine.bin").write_bytes(b"x")  # a user's files in the NVMe folder stay; only the run's swap files go
+    (nvme / "zero_stage_3" / "notes.txt").write_text("mine")
     # An 8192 x 128 embedding: partitions over 1 MiB, which DeepSpeed swaps (smaller ones it never does).
     model_dir = causal_lm_dir(tmp_path / "model", vocab_size=8192, n_embd=128)
-    r = launch("zero3_offload", tmp_path / "out", "--task", "causal-lm", "--model_name_or_path", model_dir,
-               "--learning_rate", 1e-3, "--max_train_steps", 6, "--max_train_samples", 128, "--max_eval_samples", 32,
-               "--logging_steps", 3, "--offload", "nvme", "--nvme_path", nvme, config="zero3_nvme.yaml")
+    cmd, env = launch_command("zero3_offload", tmp_path / "out", "--task", "causal-lm", "--model_name_or_path",
+                              model_dir, "--learning_rate", 1e-3, "--max_train_steps", 6, "--max_train_samples", 128,
+                              "--max_eval_samples", 32, "--logging_steps", 3, "--offload", "nvme", "--nvme_path", nvme,
+                              config="zero3_nvme.yaml")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    r = json.loads((tmp_path / "out" / "results.json").read_text())
     assert r["offload_param_device"] == "nvme" and r["offload_optimizer_device"] == "nvme"
     assert r["num_processes"] == 2 and r["train_loss"] < r["initial_loss"]
-    swapped = [p for p in nvme.rglob("*") if p.is_file()]
-    print(f"NVMe: {len(swapped)} swap files, {sum(p.stat().st_size for p in swapped) / 2**20:.1f} MiB under {nvme}")
-    assert swapped, f"no swap file under {nvme}"
+    # DeepSpeed swapped to NVMe (the main process says how much it removed), and the run took its files away.
+    removed = re.findall(r"removed the (\d+) NVMe swap files \(([\d.]+) MiB\)", proc.stdout + proc.stderr)
+    print(f"NVMe: {removed} (files, MiB) removed under {nvme}")
+    assert removed and all(int(n) > 0 and float(mib) > 0 for n, mib in removed), proc.stderr[-3000:]
+    left = sorted(p.relative_to(nvme).as_posix() for p in nvme.rglob("*"))
+    assert left == ["mine.bin", "zero_stage_3", "zero_stage_3/notes.txt"], left
     assert not any(p.numel() == 0 for p in load_params(tmp_path / "out").values())
     assert not (ROOT / "none").exists()  # DeepSpeed's fallback when the path is lost
 

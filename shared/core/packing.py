@@ -59,7 +59,7 @@ def pack(docs: list[list[int]], block_size: int, per_document: bool, keep_last: 
     return blocks
 
 
-def samples(ds, tokenizer, text_col: str, mode: str, block_size: int, train: bool):
+def samples(ds, tokenizer, text_col: str, mode: str, block_size: int, train: bool, keep: tuple[str, ...] = ()):
     """A datasets.Dataset of samples from the documents in `text_col`, and the documents' token count.
 
     Each row also holds n_real (tokens that are not padding) and n_targets (tokens the loss predicts), for the
@@ -71,6 +71,7 @@ def samples(ds, tokenizer, text_col: str, mode: str, block_size: int, train: boo
             enc["n_text"] = [len(x) for x in tokenizer(batch[text_col], verbose=False)["input_ids"]]
             enc["n_real"] = [len(x) for x in enc["input_ids"]]
             enc["n_targets"] = [max(0, len(x) - 1) for x in enc["input_ids"]]
+            enc.update({c: batch[c] for c in keep if c in batch})  # load_task(keep_columns=), for Task.loss_fn
             return enc
 
         ds = ds.map(encode, batched=True, remove_columns=ds.column_names)

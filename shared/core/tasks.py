@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,10 +39,21 @@ class Task:
     processor: object | None = None  # image models: the image processor a pipeline needs beside the weights
     stats: dict[str, object] = field(default_factory=dict)  # what the training data holds, for results.json
     router_aux_loss: torch.Tensor | None = None  # a mixture of experts: the last batch's load-balancing loss
+    # Your own columns and loss (docs/adapting_a_copy.md): load_task(keep_columns=) keeps data columns in each batch,
+    # never passed to the model; loss_fn(logits, labels, kept) -> a summed loss, count_fn(labels, kept) -> what it
+    # is divided by (unset: the task's summed cross-entropy, and count_items' tokens or samples).
+    keep_columns: tuple[str, ...] = ()
+    loss_fn: Callable[[torch.Tensor, torch.Tensor, dict], torch.Tensor] | None = None
+    count_fn: Callable[[torch.Tensor, dict], torch.Tensor] | None = None
+
+    def kept(self, batch: dict) -> dict:
+        return {k: batch[k] for k in self.keep_columns}
 
     # ---- loss: a sum over items divided by a count, so accumulation can normalize over the whole global batch
     def count_items(self, batch: dict) -> torch.Tensor:
         """What the loss averages over: target tokens for a causal LM, samples for classification."""
+        if self.count_fn is not None:
+            return self.count_fn(batch["labels"], self.kept(batch))
         return losses.count_items(self.name, batch["labels"])
 
     def loss(self, model: nn.Module, batch: dict, num_items: torch.Tensor | float | None = None) -> torch.Tensor:
@@ -50,7 +62,9 @@ class Task:
         share of the items, so accumulated or data-parallel batches add up to one global batch's."""
         out = model(**self._inputs(batch))
         count = self.count_items(batch)
-        total = losses.summed_loss(self.name)(out.logits, batch["labels"]) / (count if num_items is None else num_items)
+        summed = (self.loss_fn(out.logits, batch["labels"], self.kept(batch)) if self.loss_fn is not None
+                  else losses.summed_loss(self.name)(out.logits, batch["labels"]))
+        total = summed / (count if num_items is None else num_items)
         return total + self.router_loss(out, count, num_items)
 
     def router_loss(self, out: object, count: torch.Tensor, num_items: torch.Tensor | float | None
@@ -64,7 +78,7 @@ class Task:
         return self.model.config.router_aux_loss_coef * aux * (1.0 if num_items is None else count / num_items)
 
     def _inputs(self, batch: dict) -> dict:
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        inputs = {k: v for k, v in batch.items() if k != "labels" and k not in self.keep_columns}
         if self.name == "causal-lm":
             # A KV cache only serves generation; in training it costs memory, and a checkpointed block that is
             # recomputed in backward would append to it a second time.
@@ -115,9 +129,11 @@ class Task:
                 preprocessor.save_pretrained(output_dir)
 
 
-def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None) -> Task:
+def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, keep_columns: tuple[str, ...] = ()
+              ) -> Task:
     """Data, tokenizer and model for --task. Bad input fails here, before any training step. `eval_batch_size`:
-    the evaluation batch, where a recipe needs another than --per_device_eval_batch_size."""
+    the evaluation batch, where a recipe needs another than --per_device_eval_batch_size. `keep_columns`: data
+    columns kept in each batch for Task.loss_fn (text tasks, one row a sample: not packed causal-LM blocks)."""
     args = launch.args
     batches = (launch.per_device_train_batch_size, eval_batch_size or args.per_device_eval_batch_size)
     data.check_paths(args)
@@ -130,9 +146,14 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None) -
                          "Drop it, or pass --task text-classification.")
     with accelerator.main_process_first():  # the first process fills the datasets cache, the others reuse it
         train_raw, val_raw, source = data.load_raw_splits(args)
+    if missing := [c for c in keep_columns if c not in data.column_names(train_raw)]:
+        raise SystemExit(f"keep_columns: the training data has no column {missing} ({data.column_names(train_raw)}).")
+    if keep_columns and (args.task == "image-classification" or args.task == "causal-lm" and args.packing != "none"):
+        raise SystemExit("keep_columns serves text-classification, and causal-lm with --packing none (a packed block "
+                         f"holds parts of many rows), not --task {args.task} --packing {args.packing}.")
     loader = {"text-classification": _text_classification, "causal-lm": _causal_lm,
               "image-classification": _image_classification}[args.task]
-    task = loader(args, accelerator, train_raw, val_raw, source, batches)
+    task = loader(args, accelerator, train_raw, val_raw, source, batches, tuple(keep_columns))
     n_train = len(task.train_dataloader.dataset)
     packed = task.packing != "none"
     if n_train == 0:
@@ -202,7 +223,8 @@ def _tokenizer(args, texts: list[str]):
     return tok
 
 
-def _text_classification(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int]) -> Task:
+def _text_classification(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int],
+                         keep: tuple[str, ...] = ()) -> Task:
     cols = data.column_names(train_raw)
     text_col = data.pick_column(cols, args.text_column, data._TEXT_GUESSES, "text", "text_column")
     # Sentence pairs (GLUE MRPC, MNLI ...): the tokenizer joins the two its own way ([SEP] and segment ids for BERT).
@@ -227,6 +249,7 @@ def _text_classification(args, accelerator, train_raw, val_raw, source, batches:
         pairs = (batch[pair_col],) if pair_col else ()
         enc = tokenizer(batch[text_col], *pairs, truncation=True, max_length=args.max_seq_length)
         enc["labels"] = [to_id(v) for v in batch[label_col]]
+        enc.update({c: batch[c] for c in keep if c in batch})  # validation may lack them
         return enc
 
     with accelerator.main_process_first():
@@ -249,7 +272,8 @@ def _text_classification(args, accelerator, train_raw, val_raw, source, batches:
     train_dl, eval_dl = _dataloaders(args, accelerator, train_ds, val_ds, DataCollatorWithPadding(tokenizer), batches)
     lengths = [len(x) for x in train_ds["input_ids"]]
     stats = datastats.text_stats(lengths, None, batches[0], args.seed)
-    return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, tokenizer, stats=stats)
+    return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, tokenizer, stats=stats,
+                keep_columns=keep)
 
 
 def _vocab(tokenizer, args) -> int:
@@ -269,7 +293,8 @@ class CausalCollator:
         return dict(batch)
 
 
-def _causal_lm(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int]) -> Task:
+def _causal_lm(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int],
+               keep: tuple[str, ...] = ()) -> Task:
     cols = data.column_names(train_raw)
     text_col = data.pick_column(cols, args.text_column, data._TEXT_GUESSES, "text", "text_column")
     for split, ds in _given_splits(train_raw, val_raw):
@@ -295,8 +320,9 @@ def _causal_lm(args, accelerator, train_raw, val_raw, source, batches: tuple[int
                                       eos_token_id=tokenizer.eos_token_id)
     with accelerator.main_process_first():
         train_ds, text_tokens = packing.samples(train_ds, tokenizer, text_col, args.packing, args.max_seq_length,
-                                                train=True)
-        val_ds, _ = packing.samples(val_ds, tokenizer, text_col, args.packing, args.max_seq_length, train=False)
+                                                train=True, keep=keep)
+        val_ds, _ = packing.samples(val_ds, tokenizer, text_col, args.packing, args.max_seq_length, train=False,
+                                    keep=keep)
     if len(train_ds) == 0:
         raise SystemExit(f"The training text ({source}) holds {text_tokens} tokens, fewer than one block of "
                          f"--max_seq_length {args.max_seq_length}. Lower --max_seq_length, add text, or pass "
@@ -314,7 +340,7 @@ def _causal_lm(args, accelerator, train_raw, val_raw, source, batches: tuple[int
     collate = packing.BlockCollator() if packed else CausalCollator(tokenizer)
     train_dl, eval_dl = _dataloaders(args, accelerator, train_ds, val_ds, collate, batches)
     return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, tokenizer,
-                packing=args.packing, stats=stats)
+                packing=args.packing, stats=stats, keep_columns=keep)
 
 
 def _report_packing(args, accelerator, stats: dict) -> None:
@@ -330,7 +356,8 @@ def _report_packing(args, accelerator, stats: dict) -> None:
                 args.max_seq_length, stats["train_target_tokens"], 100 * dropped, 100 * stats["padding_fraction"])
 
 
-def _image_classification(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int]) -> Task:
+def _image_classification(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int],
+                          keep: tuple[str, ...] = ()) -> Task:
     cols = [c for c in data.column_names(train_raw) if c != "classes"]
     image_col = data.pick_column(cols, args.image_column, data._IMAGE_GUESSES, "image", "image_column")
     label_col = data.pick_column(cols, args.label_column, data._LABEL_GUESSES, "label", "label_column")

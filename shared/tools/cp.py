@@ -7,7 +7,8 @@ DEST gets the recipe (DEST/<recipe>.py), the modules of shared/ it imports, tran
 `recipe_core` (so a `shared` or `utils` package of your own is never shadowed), the launch configs its docstring
 names (and accelerate_configs/multi_cpu.yaml, the CPU-only form, for a recipe that runs in several processes), a
 requirements.txt of the packages those files import (pinned as the recipes' requirements.txt pins them) and a README
-that says what each launch line starts.
+that says what each launch line starts, and which to use on a CPU-only machine and on a GPU machine.
+Your own columns and loss, without editing the copied core: docs/adapting_a_copy.md.
 
 A second recipe copied into the same DEST adds what it needs (requirements.txt gets its packages, its README is
 README_<recipe>.md). No edit of yours is ever lost: a README.md or requirements.txt of yours makes it write
@@ -376,6 +377,9 @@ def launch_note(path: Path) -> str:
 PIP_OF_IMPORT = {"PIL": "pillow", "yaml": "accelerate", "numpy": "accelerate", "huggingface_hub": "transformers",
                  "packaging": "accelerate", "safetensors": "safetensors", "tokenizers": "tokenizers"}
 NEVER_REQUIRED = ("pytest", "pytest-xdist", "ruff")  # the repository's own test and lint tools
+# Names whose use needs a package the file never imports: transformers imports bitsandbytes to load a model
+# quantized by a BitsAndBytesConfig (qlora.py).
+PACKAGE_OF_NAME = {"BitsAndBytesConfig": "bitsandbytes"}
 TRACKER_PACKAGES = {"comet_ml": "comet-ml"}  # --report_to tracker -> pip name, where they differ (core/launch.py)
 
 
@@ -426,6 +430,7 @@ def _file_needs(data: bytes) -> frozenset[str]:
             names |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module.split(".")[0])
+            names |= {PACKAGE_OF_NAME[a.name] for a in node.names if a.name in PACKAGE_OF_NAME}
     tracker = _report_to_default(tree)
     if tracker and tracker not in ("none", "all"):
         names |= {TRACKER_PACKAGES.get(t.strip(), t.strip()) for t in tracker.split(",") if t.strip()}
@@ -527,18 +532,33 @@ def _readme(c: Copy, doc: str, core_files: list[str]) -> bytes:
     lines += [(f"python {c.recipe}.py --help", "every flag")]
     width = max(len(cmd) for cmd, _ in lines)
     run = [f"{cmd:<{width}}  # {note}" for cmd, note in lines]
-    notes = ["Each `accelerate launch` line starts the `num_processes` processes its config names, on this machine "
-             "(the comment on the line gives the number)."]
+    notes = []
     big = [cfg for cfg in c.configs if "your GPU count" in c.files[cfg][0].decode(errors="replace")]
+    cpu = [cfg for cfg in c.configs if _config(ROOT / c.files[cfg][1]).get("use_cpu")]
+    gpu = [cfg for cfg in c.configs if cfg not in cpu and _processes(ROOT / c.files[cfg][1]) > 1]
+    if c.configs:
+        notes.append("Each `accelerate launch` line starts the `num_processes` processes its config names, on this "
+                     "machine (the comment on the line gives the number); `--num_processes N` after `launch` "
+                     "overrides it.")
+    elif c.recipe in RECIPES:  # the table's one-process recipes (a recipe of the user's: its docstring named none)
+        notes.append("This recipe trains in one process (the recipes' rule table refuses more), so no launch config "
+                     "comes with it: `python` is the whole command, on a CPU-only machine as on a GPU.")
     for cfg in big:
         n = _processes(ROOT / c.files[cfg][1])
-        notes.append(f"`{cfg}` starts {n}: set `num_processes` in it to your GPU count (or add `--num_processes N` "
-                     f"after `launch`); on a machine without GPUs all {n} would train on the CPU, slowly and with "
-                     f"{n} copies of the model in memory.")
-    cpu = [cfg for cfg in c.configs if _config(ROOT / c.files[cfg][1]).get("use_cpu")]
+        every = "both" if n == 2 else f"all {n}"
+        notes.append(f"On a GPU machine: `{cfg}` starts {n}; set `num_processes` in it to your GPU count (or add "
+                     f"`--num_processes N` after `launch`). On a machine without GPUs {every} would train on the "
+                     f"CPU, slowly, each process holding the model (or its shard) in memory.")
+    if gpu and not big:
+        notes.append(f"On a GPU machine: one process per GPU, {' or '.join(f'`{g}`' for g in gpu)} as the comment "
+                     "says; for another GPU count add `--num_processes N` after `launch`.")
     if cpu:
         notes.append(f"On a CPU-only machine, use `{cpu[0]}` ({_processes(ROOT / c.files[cpu[0]][1])} processes "
-                     "over gloo).")
+                     "over gloo; more processes than cores only slows it).")
+    elif gpu:
+        least = min(_processes(ROOT / c.files[g][1]) for g in gpu)
+        notes.append(f"On a CPU-only machine the lines above run over gloo, with the processes they name ({least} at "
+                     "the least for this recipe), each holding its part of the model in memory.")
     rows = [f"| `{c.recipe}.py` | `{c.files[c.recipe + '.py'][1]}`, its imports of `{CORE}` renamed `{VENDORED}` |",
             f"| `{VENDORED}/` | `{CORE}/`, {'unchanged' if not c.rewritten_core else 'imports renamed'}: "
             f"{', '.join(f'`{f}`' for f in core_files)} (the modules this recipe imports, and theirs) |"]
@@ -617,7 +637,8 @@ def plan_copy(recipe_path: Path, dest: Path) -> Copy:
     readme = "README.md"
     if (dest / readme).exists() and not _ours(dest, readme, manifest, recipe):
         readme = f"README_{recipe}.md"
-    c.files[readme] = (_readme(c, doc, core_files), f"written by {COMMAND}")
+    copied_doc = ast.get_docstring(ast.parse(c.files[f"{recipe}.py"][0].decode()), clean=False) or ""
+    c.files[readme] = (_readme(c, copied_doc, core_files), f"written by {COMMAND}")  # its paths are the copy's
     return c
 
 
