@@ -629,7 +629,7 @@ _FOLLOWED = {
     "tracker-typo": (["--report_to", "tensorboard"], "", {}),
     "resume-past-the-end": (["--max_train_steps", "4"], "", {}),
     # fixes that lead to the next refusal, a true one: the tiny data then holds too few blocks, or no label column
-    "too-little-text": (["--task", "causal-lm", "--max_seq_length", "4", "--per_device_train_batch_size", "2"], "", {}),
+    "too-little-text": (["--task", "causal-lm", "--max_seq_length", "6", "--per_device_train_batch_size", "1"], "", {}),
     "missing-text-column": (["--text_column", "review", "--label_column", "sentiment"], "", {}),
 }
 for _case in CASES:
