@@ -436,7 +436,8 @@ def test_a_copied_baseline_carries_the_spine_alone(tmp_path):
     Llama-style and MoE presets, the router's auxiliary loss in the one loss and the meter, and their rules:
     decoder presets, tensor-parallel plans from the config, expert parallel, pipeline schedules), then 118 more for
     the third new-user trial's checks before the first step (data that would train something else, images decoded,
-    launches that start fewer processes than asked, repeated and abbreviated flags) and a recipe's own columns and loss."""
+    launches that start fewer processes than asked, repeated and abbreviated flags) and a recipe's own columns and
+    loss."""
     c = plan_copy(ROOT / "recipes" / "baseline.py", tmp_path)
     core = {rel: data.decode() for rel, (data, _) in c.files.items() if rel.startswith(f"{VENDORED}/")}
     assert core and all(rel.startswith((f"{VENDORED}/core/", f"{VENDORED}/__init__")) for rel in core), sorted(core)
