@@ -24,6 +24,24 @@ def _quiet(args) -> list[str]:
     return [] if "--report_to" in map(str, args) else QUIET
 
 
+def _last_wins(args) -> list[str]:
+    """A test's flags with each repeated flag given once, at its last value. Tests build a run from a shared list
+    plus overrides; a recipe now refuses a flag typed twice (shared/core/args.py), which `as_typed=True` keeps."""
+    items: dict[str, list[str]] = {}
+    tokens, loose, i = list(map(str, args)), [], 0
+    while i < len(tokens):
+        if not tokens[i].startswith("--"):
+            loose.append(tokens[i])
+            i += 1
+            continue
+        j = i + 1
+        while j < len(tokens) and not tokens[j].startswith("--"):
+            j += 1
+        items[tokens[i].split("=", 1)[0]] = tokens[i:j]
+        i = j
+    return loose + [t for flag in items.values() for t in flag]
+
+
 def _reset_accelerate() -> None:
     # Accelerate keeps process-wide singletons; each in-process run must start from a clean state.
     from accelerate.state import AcceleratorState, GradientState
@@ -39,8 +57,9 @@ def load_recipe(name: str):
     return module
 
 
-def run_recipe(name: str, output_dir: Path, *args: str) -> dict:
+def run_recipe(name: str, output_dir: Path, *args: str, as_typed: bool = False) -> dict:
     """main() of recipes/<name>.py in this process; returns the results it wrote to results.json."""
+    args = tuple(args) if as_typed else tuple(_last_wins(args))
     _reset_accelerate()
     # Accelerate writes to os.environ (an FSDP plugin sets ACCELERATE_USE_FSDP=true): restore it, or every later
     # `accelerate launch` from this test session inherits it.
@@ -59,6 +78,7 @@ def run_recipe(name: str, output_dir: Path, *args: str) -> dict:
 def launch_command(name: str, output_dir: Path, *args: str, config: str | None = "multi_cpu.yaml",
                    launch_args: tuple[str, ...] = (), env: dict | None = None) -> tuple[list[str], dict]:
     """The `accelerate launch` command line and environment (one thread per process) of a recipe run."""
+    args = tuple(_last_wins(args))
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if config:
         cmd += ["--config_file", str(CONFIGS / config)]

@@ -671,7 +671,7 @@ def test_bad_input_fails_fast_with_the_fix(case, tmp_path, capsys, monkeypatch):
     capsys.readouterr()  # what a setup run printed is not this case's
     out = case.out(tmp_path) if case.out else tmp_path / "out"
     with pytest.raises(SystemExit) as exc:
-        run_recipe(case.recipe, out, *argv, *_steps(argv))
+        run_recipe(case.recipe, out, *argv, *_steps(argv), as_typed=True)  # a flag twice is a case here
     printed = capsys.readouterr()
     message = f"{exc.value.code}\n{printed.err}"
     for fragment in case.says:
