@@ -17,7 +17,6 @@ def _shards(out_dir) -> list[dict]:
     return [load_file(out_dir / f) for f in sorted(set(index.values()))]
 
 
-@pytest.mark.slow
 def test_two_replicas_of_two_stages_train_like_one_process(tmp_path_factory):
     ref_dir, ref = single(tmp_path_factory)
     out, r = mesh(tmp_path_factory)

@@ -54,7 +54,6 @@ def test_per_token_normalization_matters(tmp_path):
     assert diff > 100 * TOL
 
 
-@pytest.mark.slow
 def test_ddp_equals_one_process(tmp_path):
     """2 processes x batch 8 over gloo == 1 process x batch 16; the replicas stay identical."""
     common = ["--task", "text-classification", "--disable_dropout", "--max_train_steps", 3]

@@ -21,7 +21,6 @@ TOKENS = 16 * 64  # the global batch: 16 packed blocks of 64 tokens
 PARAM_TOL = 2e-5
 
 
-@pytest.mark.slow
 def test_two_processes_train_like_one_each_holding_half_the_experts(tmp_path):
     ref = run_recipe("data_parallel", tmp_path / "ref", *COMMON, *MOE, "--per_device_train_batch_size", "16")
     r = launch("expert_parallel", tmp_path / "ep", *COMMON, *MOE, "--per_device_train_batch_size", "8",

@@ -15,7 +15,6 @@ def _state(r: dict, rank: int) -> int:
     return r["param_bytes"][rank] + r["grad_bytes"][rank] + r["optimizer_state_bytes"][rank]
 
 
-@pytest.mark.slow
 def test_full_shard_holds_half_the_state_and_matches_ddp(tmp_path_factory):
     ddp_dir, d = ddp(tmp_path_factory)
     fsdp_dir, f = fsdp(tmp_path_factory)

@@ -35,7 +35,6 @@ def test_split_model_gives_the_unsplit_loss_and_gradients(task):
     assert diff == 0.0  # the same ops on the same device: exactly equal
 
 
-@pytest.mark.slow
 def test_trains_like_the_unsplit_model(tmp_path_factory, tmp_path):
     ref_dir, ref = single(tmp_path_factory)
     r = run_recipe("model_parallel", tmp_path, *COMMON, "--per_device_train_batch_size", "16",

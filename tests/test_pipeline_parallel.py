@@ -251,7 +251,6 @@ def _stage_params(out_dir) -> list[dict]:
     return [load_file(out_dir / f) for f in sorted(set(index.values()))]
 
 
-@pytest.mark.slow
 def test_gpt_1f1b_pipeline_trains_like_the_unsplit_model(tmp_path_factory, tmp_path):
     ref_dir, ref = single(tmp_path_factory)  # the same model unsplit, 1 process, same batches
     r = launch("pipeline_parallel", tmp_path, *COMMON, "--per_device_train_batch_size", "16",

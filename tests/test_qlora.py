@@ -112,7 +112,6 @@ def test_8bit_base(tmp_path_factory):
     assert r["lora_grads_first_backward"]["lora_no_grad"] == 0
 
 
-@pytest.mark.slow
 def test_qlora_ddp_two_processes(tmp_path):
     r = launch("qlora", tmp_path, "--task", "causal-lm", "--max_train_steps", "6", *COMMON)
     assert r["num_processes"] == 2 and r["distributed_type"] == "MULTI_CPU"

@@ -78,7 +78,6 @@ def test_chunks_give_the_whole_sequence_loss_and_gradients_with_half_the_activat
     assert got == expected, got
 
 
-@pytest.mark.slow
 def test_gpt2_trains_like_one_process_on_the_whole_sequence(tmp_path_factory):
     ref_dir, sp_dir = tmp_path_factory.mktemp("baseline"), tmp_path_factory.mktemp("sp")
     ref = run_recipe("baseline", ref_dir, *COMMON, *BATCH)

@@ -105,7 +105,6 @@ def test_refuses_what_it_does_not_do_yet(asks, match):
         check(Run(**{**run.__dict__, **asks}))
 
 
-@pytest.mark.slow
 def test_llama_splits_by_its_own_plan_like_one_process(tmp_path_factory):
     """tiny-llama (4 query heads over 2 KV heads) by the plan its config ships: each of 2 processes takes 1 KV head
     and its 2 queries, half of every block matrix and of the vocabulary; only the RMSNorm weights stay whole."""

@@ -13,8 +13,6 @@ import pytest
 
 from tests.conftest import CONFIGS, ROOT, launch, launch_command, load_params, load_recipe, max_param_diff
 
-pytestmark = pytest.mark.slow
-
 # The same data, steps and accumulation for DDP and every ZeRO stage. fp32, no dropout: runs that differ only in
 # how state is sharded must end with the same parameters.
 STEPS, GA, MICRO = 6, 2, 4
@@ -84,6 +82,7 @@ def test_each_stage_trains_in_two_processes(runs):
         assert r["eval_perplexity"] < 40, r
 
 
+@pytest.mark.slow  # two more launches; the stages' fixture trains BERT
 @pytest.mark.parametrize("task", ["text-classification", "image-classification"])
 def test_zero3_trains_the_other_families(task, tmp_path):
     """BERT and ViT under ZeRO-3 in 2 processes: partitioned, and the loss falls."""
@@ -213,6 +212,7 @@ def test_zero3_resume_from_json_config(runs, tmp_path):
     assert diff == 0.0
 
 
+@pytest.mark.slow  # a kill/resume or extra launch beyond the stages' own; `pytest -m slow`
 def test_zero2_offload_resume(tmp_path):
     """ZeRO-2 with the optimizer offloaded to CPU (DeepSpeedCPUAdam), ViT: stop at step 3, resume, same result.
 
@@ -231,6 +231,7 @@ def test_zero2_offload_resume(tmp_path):
     assert diff == 0.0
 
 
+@pytest.mark.slow  # a kill/resume or extra launch beyond the stages' own; `pytest -m slow`
 def test_combined_zero2_offload_resume(tmp_path):
     """recipes/combined.py under ZeRO-2 + CPU offload, tiny GPT-2: stopped at step 3 and resumed, it ends where the
     uninterrupted run does. The default linear LR decay is kept: a frozen learning rate shows only if it changes."""
@@ -248,6 +249,7 @@ def test_combined_zero2_offload_resume(tmp_path):
     assert diff == 0.0
 
 
+@pytest.mark.slow  # a kill/resume or extra launch beyond the stages' own; `pytest -m slow`
 def test_zero3_offload_two_processes(tmp_path):
     r = launch("zero3_offload", tmp_path, *COMMON, config="zero3_offload.yaml")
     assert r["distributed_type"] == "DEEPSPEED" and r["num_processes"] == 2 and r["zero_stage"] == 3
