@@ -273,7 +273,7 @@ CASES = [
          recipe="fsdp"),
     Case("hsdp-sizes-not-filling", "HSDP sizes whose product is not the process count (4 launched)",
          ["--dp_replicate_size", "2", "--dp_shard_size", "3"],
-         ["--dp_replicate_size 2 --dp_shard_size 3 with 4 processes", "e.g. --dp_replicate_size 2 --dp_shard_size 2"],
+         ["--dp_replicate_size 2 --dp_shard_size 3 with 4 processes", "Pass sizes whose product is 4"],
          recipe="fsdp", env={"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "4"}),
     Case("microbatches-not-dividing", "a pipeline batch that micro-batches do not divide",
          ["--per_device_train_batch_size", "6", "--n_microbatches", "4"],

@@ -80,8 +80,8 @@ def test_the_halfway_checkpoint_resumes_to_the_uninterrupted_run(hsdp, tmp_path)
 
 @pytest.mark.parametrize("flags, world, match", [
     ({"dp_replicate_size": 2, "dp_shard_size": 3}, 4, "--dp_replicate_size 2 --dp_shard_size 3 with 4 processes.*"
-                                                      "e.g. --dp_replicate_size 2 --dp_shard_size 2"),
-    ({"dp_replicate_size": 3}, 4, "--dp_replicate_size 3 with 4 processes.*a divisor of 4"),
+                                                      "product is 4.*--dp_replicate_size 2 on 4"),
+    ({"dp_replicate_size": 3}, 4, "--dp_replicate_size 3 with 4 processes.*a divisor of it"),
     ({"dp_replicate_size": 4}, 4, "each replica one process.*recipes/data_parallel.py"),
     ({"dp_replicate_size": 2}, 1, "--dp_replicate_size 2 with one process.*accelerate_configs/hsdp.yaml"),
 ])

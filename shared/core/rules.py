@@ -395,13 +395,12 @@ RULES: tuple[Rule, ...] = (
          lambda r: f"{_hsdp(r)} with {'one process' if r.num_processes == 1 else f'{r.num_processes} processes'}: "
                    "the dp_replicate x dp_shard mesh must hold every process once",
          lambda r: "launch R x S processes: accelerate_configs/hsdp.yaml (4, --dp_replicate_size 2)"
-         if r.num_processes == 1 else f"pass sizes whose product is {r.num_processes} ({_hsdp_example(r)}), or "
-                                      f"one, a divisor of it (nodes: --dp_shard_size = GPUs per node)"),
+         if r.num_processes == 1 else f"pass sizes whose product is {r.num_processes}, or one, a divisor of it "
+                                      "(e.g. --dp_replicate_size 2 on 4; nodes: --dp_shard_size = GPUs per node)"),
     Rule(lambda r: bool(_hsdp(r)) and r.num_processes > 1 and _hsdp_fills(r) and _hsdp_sizes(r)[1] == 1,
          lambda r: f"{_hsdp(r)} with {r.num_processes} processes makes each replica one process: plain data "
                    "parallel, nothing for FSDP2 to shard (Accelerate refuses dp_shard_size 1 under FSDP)",
          lambda r: "use fewer replicas (--dp_shard_size 2 or more), or recipes/data_parallel.py for DDP"),
-    # Read in the installed source: Accelerate 1.15 imports a transformers class that 5.24 no longer has.
     Rule(lambda r: "tp=" in r.parallelism_config and r.launched == "fsdp",
          lambda r: f"the launch config's ParallelismConfig ({r.parallelism_config}) under FSDP: Accelerate 1.15 "
                    "imports transformers' ReplicateParallel for TP x FSDP2, which transformers 5.24 lacks",
@@ -609,12 +608,6 @@ def _hsdp_sizes(r: Run) -> tuple[float, float]:  # (replicas, processes per repl
 def _hsdp_fills(r: Run) -> bool:
     replicas, shard = _hsdp_sizes(r)
     return replicas * shard == r.num_processes and replicas % 1 == shard % 1 == 0
-
-
-def _hsdp_example(r: Run) -> str:
-    n = r.num_processes
-    d = next((d for d in range(2, n) if n % d == 0 and n // d >= 2), 0)
-    return f"e.g. --dp_replicate_size {d} --dp_shard_size {n // d}" if d else f"{n} has none: drop the flags"
 
 
 def _unsplit(r: Run, degree: int, **sizes: int) -> str:
