@@ -8,6 +8,9 @@ consolidated safetensors model at the end.
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/fsdp.py --checkpointing_steps 50
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/fsdp.py --resume_from_checkpoint latest
 On a CPU-only machine the same configs run over gloo (shared/core/fsdp_cpu.py makes Accelerate really shard there).
+HSDP, --dp_replicate_size R or --dp_shard_size S (R = nodes, S = GPUs per node): Accelerate's ParallelismConfig
+mesh, each block sharded inside a group of S processes and replicated over the R groups (docs/hsdp.md):
+    accelerate launch --config_file accelerate_configs/hsdp.yaml recipes/fsdp.py --dp_replicate_size 2   # 2 x 2
 """
 
 import sys
@@ -18,7 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.core.args import parse_args
+from shared.core.args import COUNT, parse_args
 from shared.core.checkpoint import maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
@@ -29,6 +32,7 @@ from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.tasks import load_task
+from shared.techniques.hsdp import hsdp_report, parallelism_config
 
 RECIPE = "fsdp"
 
@@ -37,6 +41,10 @@ def add_args(p):
     p.add_argument("--cpu_offload", action="store_true", default=None,
                    help="Keep parameter shards, gradients and the optimizer step in host memory. Unset: the "
                         "accelerate config's fsdp_offload_params.")
+    p.add_argument("--dp_replicate_size", type=COUNT, default=None,
+                   help="HSDP: replicas of the model (the nodes), each sharded over processes / R. Unset: 1.")
+    p.add_argument("--dp_shard_size", type=COUNT, default=None,
+                   help="HSDP: processes each replica is sharded over (the GPUs of a node). Unset: processes / R.")
 
 
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
@@ -50,7 +58,8 @@ def main(argv=None) -> dict:
         cpu_offload=args.cpu_offload,               # None: fsdp_offload_params from the accelerate config
     )
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, fsdp_plugin=fsdp_plugin)
+    launch = resolve_launch(args, RECIPE, fsdp_plugin=fsdp_plugin, dp_replicate_size=args.dp_replicate_size or 0,
+                            dp_shard_size=args.dp_shard_size or 0)
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,
@@ -60,6 +69,8 @@ def main(argv=None) -> dict:
         project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
         fsdp_plugin=fsdp_plugin,
+        # HSDP: ParallelismConfig(dp_replicate_size, dp_shard_size), the 2-D mesh prepare() gives fully_shard
+        parallelism_config=parallelism_config(launch.run, fsdp_plugin),  # None without the flags: FSDP over all
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(launch, accelerator)
@@ -101,6 +112,7 @@ def main(argv=None) -> dict:
         "cpu_offload": isinstance(fsdp_plugin.cpu_offload, CPUOffloadPolicy),
         "fsdp_units": sum(isinstance(m, FSDPModule) for m in model.modules()),
         "wrapped_block_class": fsdp_plugin.transformer_cls_names_to_wrap[0],
+        **hsdp_report(accelerator, model, optimizer),  # HSDP: the mesh, and each process's shard digest
     }
     # finish() gathers the shards into one consolidated safetensors model (a collective on every process).
     return finish(accelerator, launch, task, model, eval_dl, meter, extras)

@@ -13,6 +13,8 @@ ViT. gloo on CPU.
         --model_preset tiny-llama   # or --model_name_or_path <a local Llama / Qwen directory>
     accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/tensor_parallel.py --task causal-lm
     accelerate launch --config_file accelerate_configs/tp2_dp2.yaml recipes/tensor_parallel.py --tp_size 2
+Its own mesh, not Accelerate's ParallelismConfig(tp_size, dp_shard_size): Accelerate takes only a model transformers
+already split, and its TP x FSDP2 prepare() imports a class transformers 5.24 lacks (docs/hsdp.md).
 Global batch = --per_device_train_batch_size x data-parallel groups. --checkpointing_steps: each process writes its
 shards (torch.distributed.checkpoint); resume on the same mesh. Saves one consolidated model.safetensors (each
 shard gathered with full_tensor()) that from_pretrained loads in one process.

@@ -150,6 +150,7 @@ _ASKS = [
     {"model_given": False}, {"preset": "tiny-llama", "task": "image-classification"},
     {"preset": "tiny-moe", "task": "text-classification"}, {"lone_launch": True},
     {"attention": "flash_attention_2", "on_accelerator": False},
+    {"dp_replicate_size": 3}, {"dp_replicate_size": 4}, {"parallelism_config": "tp=2"},  # HSDP; Accelerate's TP
 ]
 _FACTS = [
     {"model_type": "llama", "tp_plans": ("gpt2", "bert")}, {"heads": 4, "mlp_width": 6, "tp_degree": 4},

@@ -128,8 +128,8 @@ RECIPES: dict[str, Support] = {
     "zero3_offload": Support(no_compile=_NO["zero3_offload"], shardings=_ZERO, accumulates=True, needs_offload=True,
                              instead="accelerate_configs/zero3_offload.yaml, zero2_offload.yaml or zero3_nvme.yaml",
                              diff_budget=92),
-    "fsdp": Support(shardings=("fsdp",), min_processes=2, instead="accelerate_configs/fsdp.yaml or fsdp_offload.yaml",
-                    diff_budget=55),
+    "fsdp": Support(shardings=("fsdp",), min_processes=2, instead="accelerate_configs/fsdp.yaml or fsdp_offload.yaml "
+                    "(hsdp.yaml: HSDP)", diff_budget=70),  # +15: --dp_replicate_size / --dp_shard_size (HSDP)
     "qlora": Support(shardings=SHARDINGS, diff_budget=168),  # +4: its checkpoints keep the adapters (2026-12-01)
     "combined": Support(shardings=SHARDINGS, diff_budget=150),  # planned: shared/tools/plan.py COMBINED
     # The head module's own hooks gather it (tests/test_chunked_loss.py).
@@ -182,6 +182,8 @@ class Run:
     merge_unsaved: bool = False  # merge an adapter that is not saved
     stages_per_replica: int = 0  # pipeline stages inside each data-parallel replica (0: no such mesh)
     tensor_parallel_size: int = 0  # processes per tensor-parallel group, data parallel across them (0: all of them)
+    dp_replicate_size: int = 0  # HSDP (recipes/fsdp.py): replicas, each sharded over dp_shard_size processes (0: unset)
+    dp_shard_size: int = 0  # HSDP: processes one replica is sharded over (0: unset)
     parallelism_config: str = ""  # Accelerate's ParallelismConfig from the launch config, e.g. "tp=2 cp=2" ("": none)
     packing: str = "none"  # causal LM: concat | per_document | none (shared/core/packing.py)
     compile: str = "none"  # torch.compile through Accelerate's TorchDynamoPlugin: none | regional | full
@@ -388,6 +390,22 @@ RULES: tuple[Rule, ...] = (
          lambda r: f"pass a divisor of {r.num_processes} that is at least 2 (e.g. {r.flag('tensor_parallel_size')} "
                    "2 with accelerate_configs/tp2_dp2.yaml), leave it unset for one group of all processes, or use "
                    "recipes/fsdp.py for data parallel alone"),
+    # HSDP (recipes/fsdp.py --dp_replicate_size / --dp_shard_size; under ZeRO: the rule on launches above).
+    Rule(lambda r: bool(_hsdp(r)) and not _hsdp_fills(r),
+         lambda r: f"{_hsdp(r)} with {'one process' if r.num_processes == 1 else f'{r.num_processes} processes'}: "
+                   "the dp_replicate x dp_shard mesh must hold every process once",
+         lambda r: "launch R x S processes: accelerate_configs/hsdp.yaml (4, --dp_replicate_size 2)"
+         if r.num_processes == 1 else f"pass sizes whose product is {r.num_processes}, or one, a divisor of it "
+                                      "(e.g. --dp_replicate_size 2 on 4; nodes: --dp_shard_size = GPUs per node)"),
+    Rule(lambda r: bool(_hsdp(r)) and r.num_processes > 1 and _hsdp_fills(r) and _hsdp_sizes(r)[1] == 1,
+         lambda r: f"{_hsdp(r)} with {r.num_processes} processes makes each replica one process: plain data "
+                   "parallel, nothing for FSDP2 to shard (Accelerate refuses dp_shard_size 1 under FSDP)",
+         lambda r: "use fewer replicas (--dp_shard_size 2 or more), or recipes/data_parallel.py for DDP"),
+    Rule(lambda r: "tp=" in r.parallelism_config and r.launched == "fsdp",
+         lambda r: f"the launch config's ParallelismConfig ({r.parallelism_config}) under FSDP: Accelerate 1.15 "
+                   "imports transformers' ReplicateParallel for TP x FSDP2, which transformers 5.24 lacks",
+         lambda r: "drop parallelism_config from the launch config and use recipes/tensor_parallel.py --tp_size N "
+                   "with accelerate_configs/tp2_dp2.yaml"),
     # Measured 2026-12-01 (docs/tensor_parallel.md): Accelerate 1.15 refuses CPU distributed types when it validates
     # a ParallelismConfig, and torch's context_parallel has no sharding strategy for sdpa's CPU flash kernel.
     Rule(lambda r: bool(r.parallelism_config) and not r.on_accelerator,
@@ -397,7 +415,8 @@ RULES: tuple[Rule, ...] = (
                       "(aten._scaled_dot_product_flash_attention_for_cpu)" if "cp=" in r.parallelism_config else ""),
          lambda r: "drop parallelism_config from the launch config and use recipes/tensor_parallel.py --tp_size N "
                    "(the same TP x FSDP2 mesh, built with torch's init_device_mesh) with accelerate_configs/"
-                   "tp2_dp2.yaml; for long sequences on CPU, DeepSpeed's Ulysses sequence parallel"),
+                   "tp2_dp2.yaml; for long sequences on CPU, DeepSpeed's Ulysses sequence parallel; HSDP: "
+                   "recipes/fsdp.py --dp_replicate_size R (Accelerate's ParallelismConfig, run on gloo too)"),
     Rule(lambda r: r.lone_launch,
          lambda r: "accelerate launch was asked for several processes and started this one alone: without GPUs it "
                    "does so for --num_processes N without a config, for --cpu, and for `distributed_type: MULTI_CPU`",
@@ -574,6 +593,21 @@ RULES: tuple[Rule, ...] = (
                    "the mixture of experts in full precision: recipes/baseline.py, zero.py, fsdp.py, or "
                    "recipes/combined.py --lora (PEFT's LoRA adapts the experts too)", built=True),
 )
+
+
+def _hsdp(r: Run) -> str:  # the HSDP flags given, as typed ("": none)
+    return " ".join(f"--{k} {v}" for k, v in (("dp_replicate_size", r.dp_replicate_size),
+                                              ("dp_shard_size", r.dp_shard_size)) if v)
+
+
+def _hsdp_sizes(r: Run) -> tuple[float, float]:  # (replicas, processes per replica); unset: n over the other
+    n, replicas, shard = r.num_processes, r.dp_replicate_size, r.dp_shard_size
+    return replicas or n / shard, shard or n / replicas
+
+
+def _hsdp_fills(r: Run) -> bool:
+    replicas, shard = _hsdp_sizes(r)
+    return replicas * shard == r.num_processes and replicas % 1 == shard % 1 == 0
 
 
 def _unsplit(r: Run, degree: int, **sizes: int) -> str:

@@ -792,9 +792,9 @@ COMBINED = combined_techniques()
 # Expert parallel (recipes/expert_parallel.py, transformers' DistributedConfig(ep_size=N, fsdp_size=N)): the experts
 # split over all processes, the dense weights FSDP2-sharded over all of them. Planned for mixtures of experts.
 EXPERT_PARALLEL = Technique("expert_parallel", "expert_parallel", None, ep=True, speed=1.2)
-# HSDP: no recipe runs it yet (modelled only). FSDP2 with a (replicate = nodes, shard = GPUs per node) mesh: the
-# states divide by the GPUs of one node, the collectives of a step stay inside it.
-HSDP = Technique("hsdp", "", None, sharding="fsdp", hsdp=True, speed=1.15)
+# HSDP (recipes/fsdp.py --dp_shard_size G, accelerate_configs/hsdp.yaml): FSDP2 on Accelerate's (dp_replicate =
+# nodes, dp_shard = GPUs per node) mesh: the states divide by the GPUs of one node, the all-gathers stay inside it.
+HSDP = Technique("hsdp", "fsdp", "hsdp.yaml", sharding="fsdp", hsdp=True, speed=1.15)
 
 
 def search_space(spec: ModelSpec, num_gpus: int, gpus_per_node: int) -> list[Technique]:
@@ -1198,6 +1198,8 @@ def command(tech: Technique, precision: str, args: argparse.Namespace, extra: tu
     if precision != "fp32" and "--mixed_precision" not in tech.args:
         parts.append(f"--mixed_precision {precision}")
     parts.extend(tech.args)
+    if tech.hsdp:  # shards inside a node, replicas across the nodes
+        parts.append(f"--dp_shard_size {args.gpus_per_node}")
     if tech.offload == "nvme":  # the YAML cannot carry the path (Accelerate drops it): the recipe takes it as a flag
         parts.append("--nvme_path NVME_DIR")
     return " ".join([*parts, *extra])
