@@ -149,7 +149,7 @@ _ASKS = [
     {"shard_vocab": True, "task": "image-classification"}, {"chunked_loss": True, "task": "text-classification"},
     {"model_given": False}, {"preset": "tiny-llama", "task": "image-classification"},
     {"preset": "tiny-moe", "task": "text-classification"}, {"lone_launch": True},
-    {"attention": "flash_attention_2", "on_accelerator": False},
+    {"attention": "flash_attention_2", "on_accelerator": False}, {"async_checkpoint": True},
 ]
 _FACTS = [
     {"model_type": "llama", "tp_plans": ("gpt2", "bert")}, {"heads": 4, "mlp_width": 6, "tp_degree": 4},
