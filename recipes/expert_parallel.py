@@ -37,6 +37,7 @@ from shared.core.preflight import stop_if_preflight
 from shared.core.results import collect_results, write_results
 from shared.core.tasks import load_task
 from shared.techniques import expert_parallel as ep
+from shared.techniques.async_checkpoint import async_checkpoints
 from shared.techniques.tensor_parallel import checkpoint_dtensors, clip_grad_norm
 
 RECIPE = "expert_parallel"
@@ -81,6 +82,7 @@ def main(argv=None) -> dict:
     optimizer, scheduler = optimizer_and_scheduler(launch, model, max_steps)
     checkpoint_dtensors(accelerator, model, optimizer, scheduler, {"ep": world, "fsdp": world})  # each its shards
     start_step, consumed = resume(accelerator, launch)
+    launch.checkpoint_writes = async_checkpoints(args)  # --async_checkpoint: written while training goes on
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, launch, task, model, optimizer)

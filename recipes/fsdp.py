@@ -32,6 +32,7 @@ from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.tasks import load_task
+from shared.techniques.async_checkpoint import async_checkpoints
 from shared.techniques.hsdp import hsdp_report, parallelism_config
 
 RECIPE = "fsdp"
@@ -84,6 +85,7 @@ def main(argv=None) -> dict:
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
     start_step, consumed = resume(accelerator, launch)
+    launch.checkpoint_writes = async_checkpoints(args)  # --async_checkpoint: written while training goes on
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, launch, task, model, optimizer)

@@ -42,6 +42,7 @@ from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import collect_results, write_results
 from shared.core.tasks import load_task
+from shared.techniques.async_checkpoint import async_checkpoints
 from shared.techniques.tensor_parallel import (
     apply_plan,
     checkpoint_dtensors,
@@ -115,6 +116,7 @@ def main(argv=None) -> dict:
     optimizer, scheduler = optimizer_and_scheduler(launch, model, max_steps)
     checkpoint_dtensors(accelerator, model, optimizer, scheduler, {"dp": dp, "tp": tp})  # each process its shards
     start_step, consumed = resume(accelerator, launch)
+    launch.checkpoint_writes = async_checkpoints(args)  # --async_checkpoint: written while training goes on
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
     meter = Meter(accelerator, launch, task, model, optimizer)

@@ -149,7 +149,7 @@ _ASKS = [
     {"shard_vocab": True, "task": "image-classification"}, {"chunked_loss": True, "task": "text-classification"},
     {"model_given": False}, {"preset": "tiny-llama", "task": "image-classification"},
     {"preset": "tiny-moe", "task": "text-classification"}, {"lone_launch": True},
-    {"attention": "flash_attention_2", "on_accelerator": False},
+    {"attention": "flash_attention_2", "on_accelerator": False}, {"async_checkpoint": True},
     {"dp_replicate_size": 3}, {"dp_replicate_size": 4}, {"parallelism_config": "tp=2"},  # HSDP; Accelerate's TP
 ]
 _FACTS = [

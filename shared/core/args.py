@@ -198,6 +198,8 @@ def parse_args(
     g.add_argument("--checkpointing_steps", type=STEPS, default=None, help="Save a resumable checkpoint every N steps.")
     g.add_argument("--save_total_limit", type=COUNT, default=None, help="Keep only the newest N checkpoints.")
     g.add_argument("--resume_from_checkpoint", default=None, help="A checkpoint directory, or 'latest' in output_dir.")
+    g.add_argument("--async_checkpoint", action="store_true", help="Write checkpoints' DCP shards while training "
+                   "goes on (torch.distributed.checkpoint.async_save); complete once written.")
     g.add_argument("--report_to", default="tensorboard", help="Tracker(s) for Accelerate, comma-separated, or 'none'.")
     g.add_argument("--logging_steps", type=COUNT, default=10)
     g.add_argument("--no_save_model", action="store_true", help="Skip saving the final model (tests, benchmarks).")
@@ -231,6 +233,9 @@ def parse_args(
     if args.save_total_limit is not None and args.checkpointing_steps is None:
         p.error("--save_total_limit keeps the newest N checkpoints, but none are written without "
                 "--checkpointing_steps. Pass --checkpointing_steps N too, or drop --save_total_limit.")
+    if args.async_checkpoint and args.checkpointing_steps is None:
+        p.error("--async_checkpoint writes checkpoints in the background, but none are written without "
+                "--checkpointing_steps. Pass --checkpointing_steps N too, or drop --async_checkpoint.")
     if args.max_train_steps is not None and args.num_warmup_steps >= args.max_train_steps:
         p.error(f"--num_warmup_steps {args.num_warmup_steps} >= --max_train_steps {args.max_train_steps}: the "
                 "learning rate would never reach --learning_rate. Lower --num_warmup_steps.")

@@ -11,6 +11,7 @@ import logging
 import shutil
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -110,13 +111,17 @@ def saved_run(directory: Path) -> dict:
 
 
 def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, keep: int | None = None,
-                    final: Path | None = None) -> Path:
+                    final: Path | None = None, background: bool = False) -> Path:
     """Model, optimizer, scheduler, scaler and RNG states (Accelerate), plus where the data stood and the run.
 
     Written under a temporary name, hashed into a manifest, then renamed: a run killed mid-save never leaves a
     checkpoint that looks whole. `keep`: how many of this run's newest checkpoints to keep (another run's, in the
     same directory, are never deleted). `final`: another place than checkpoints/step_N (the divergence guard's).
+    `background` (--async_checkpoint, techniques/async_checkpoint.py): training goes on while the shards are written.
     """
+    writes = launch.checkpoint_writes  # --async_checkpoint: the previous checkpoint written and complete first
+    if writes is not None:
+        writes.wait()
     root = checkpoints_root(launch.output_dir)
     final = final or root / f"step_{step:08d}"
     tmp = final.with_name(f".tmp_{final.name}")
@@ -129,27 +134,36 @@ def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, 
             last = _read_json(ours[-1] / MANIFEST) or {}
             rundir.check_room(root, sum(m.get("bytes", 0) for m in last.values()), f"checkpoint {final.name}", then)
     accelerator.wait_for_everyone()
-    try:
-        accelerator.save_state(str(tmp))
-        accelerator.wait_for_everyone()
+
+    def complete(write: Callable[[], object]) -> Path:  # written, hashed, renamed: from then on `latest` takes it
+        try:
+            write()
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                (tmp / STATE_FILE).write_text(json.dumps({"step": step, "micro_batches": micro_batches, "run": run}))
+                _write_manifest(tmp)
+        except Exception as err:
+            full = rundir.disk_full(err, root, f"checkpoint {final.name}", then)
+            shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
+            if full:
+                raise full from err
+            raise
         if accelerator.is_main_process:
-            (tmp / STATE_FILE).write_text(json.dumps({"step": step, "micro_batches": micro_batches, "run": run}))
-            _write_manifest(tmp)
-    except Exception as err:
-        full = rundir.disk_full(err, root, f"checkpoint {final.name}", then)
-        shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
-        if full:
-            raise full from err
-        raise
-    if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        logger.info("saved checkpoint %s", final)
-        if keep:
-            ours = [p for p in sorted(root.glob("step_*")) if not differences(saved_run(p), run, FIXED)]
-            for old in ours[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            logger.info("saved checkpoint %s", final)
+            if keep:
+                ours = [p for p in sorted(root.glob("step_*")) if not differences(saved_run(p), run, FIXED)]
+                for old in ours[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        return final
+
+    if not background:
+        return complete(lambda: accelerator.save_state(str(tmp)))
+    with writes.deferred():  # the DCP shards staged here, written in the background, completed at the next wait()
+        accelerator.save_state(str(tmp))
+    writes.complete = lambda: complete(writes.written)
     return final
 
 
@@ -159,7 +173,8 @@ def maybe_save_checkpoint(accelerator, launch: Launch, step: int, micro_batches:
     args, signum = launch.args, launch.preemption.signal(accelerator.num_processes)
     last = step == launch.max_train_steps
     if (args.checkpointing_steps and (step % args.checkpointing_steps == 0 or last)) or (signum and not last):
-        path = save_checkpoint(accelerator, launch, step, micro_batches, keep=args.save_total_limit)
+        path = save_checkpoint(accelerator, launch, step, micro_batches, keep=args.save_total_limit,
+                               background=launch.checkpoint_writes is not None and not (last or signum))
     if signum and last:
         logger.warning("%s received at the last step: finishing the run (the model first, then the evaluation)",
                        signal.Signals(signum).name)

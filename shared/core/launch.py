@@ -176,6 +176,7 @@ class Launch:
     max_train_steps: int | None = None  # --max_train_steps, or the steps of --num_train_epochs (optim.total_steps)
     preemption: Preemption = field(default_factory=Preemption)  # SIGTERM / SIGINT, agreed over the processes
     resume_changes: dict = field(default_factory=dict)  # setting -> (saved, now): what a resume changed (checkpoint)
+    checkpoint_writes: object = None  # --async_checkpoint: techniques/async_checkpoint.py's AsyncCheckpoints
 
     def resolved(self) -> dict[str, object]:
         """What the launch resolved, for results.json beside the flags as typed."""
@@ -230,6 +231,7 @@ def resolve_launch(
                      accumulation=accumulation, max_grad_norm=clipping, compile=torch_compile, lone_launch=lone,
                      packing=args.packing if args.task == "causal-lm" or "packing" in args.explicit_flags else "none",
                      parallelism_config=rules.launched_parallelism(os.environ),
+                     async_checkpoint=args.async_checkpoint,
                      preset="" if args.model_name_or_path else args.model_preset, **{"task": args.task, **asks})
     rules.check(run)  # the rule table: refused here, with the reason and the fix
     check_environment(mixed_precision, uses_deepspeed=sharding.startswith("zero"))

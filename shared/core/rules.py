@@ -46,6 +46,7 @@ class Support:
     # Lines `diff recipes/baseline.py recipes/<name>.py` may add or remove (tests/test_recipe_shape.py): the recipe
     # shows its technique and little else. Measured 2026-12-01, plus about 10% (at least 4) for small edits.
     diff_budget: int = 0
+    async_checkpoint: bool = False  # its checkpoints are DCP shards, which async_save writes in the background
 
 
 _NO = {  # --torch_compile: why these recipes refuse it (the others: not run compiled here yet)
@@ -111,7 +112,7 @@ RECIPES: dict[str, Support] = {
                                no_fp16="its loss scaler is not wired to the sharded gradients",
                                instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
                                        "the tensor-parallel degree), or tp2_dp2.yaml with --tp_size 2 (TP x FSDP2)",
-                               diff_budget=140),
+                               async_checkpoint=True, diff_budget=143),  # +3: --async_checkpoint
     # Ulysses sequence parallel over all processes (recipes/sequence_parallel.py): each holds a chunk of every sequence.
     "sequence_parallel": Support(shardings=("ddp",), min_processes=2, splits_sequence=True,
                                  instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
@@ -122,14 +123,16 @@ RECIPES: dict[str, Support] = {
                                no_fp16="its loss scaler is not wired to the sharded gradients",
                                instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
                                        "the expert-parallel degree, a divisor of the experts per layer)",
-                               not_planned=_NOT_PLANNED["expert_parallel"], diff_budget=100),  # 92 measured
+                               not_planned=_NOT_PLANNED["expert_parallel"], async_checkpoint=True,
+                               diff_budget=103),  # 92 measured; +3: --async_checkpoint
     "zero": Support(shardings=_ZERO, accumulates=True, instead="accelerate_configs/zero1.yaml, zero2.yaml, zero3.yaml",
                     no_compile=_NO["zero"], diff_budget=81),
     "zero3_offload": Support(no_compile=_NO["zero3_offload"], shardings=_ZERO, accumulates=True, needs_offload=True,
                              instead="accelerate_configs/zero3_offload.yaml, zero2_offload.yaml or zero3_nvme.yaml",
                              diff_budget=92),
     "fsdp": Support(shardings=("fsdp",), min_processes=2, instead="accelerate_configs/fsdp.yaml or fsdp_offload.yaml "
-                    "(hsdp.yaml: HSDP)", diff_budget=70),  # +15: --dp_replicate_size / --dp_shard_size (HSDP)
+                    "(hsdp.yaml: HSDP)", async_checkpoint=True,
+                    diff_budget=73),  # +15: --dp_replicate_size / --dp_shard_size (HSDP); +3: --async_checkpoint
     "qlora": Support(shardings=SHARDINGS, diff_budget=168),  # +4: its checkpoints keep the adapters (2026-12-01)
     "combined": Support(shardings=SHARDINGS, diff_budget=150),  # planned: shared/tools/plan.py COMBINED
     # The head module's own hooks gather it (tests/test_chunked_loss.py).
@@ -198,6 +201,7 @@ class Run:
     checkpoint_policy: str = ""  # full | selective ("": not checked)
     shard_vocab: bool = False  # tensor parallel: the embedding and head split over the vocabulary too
     chunked_loss: bool = False  # the head's matmul and loss a chunk of tokens at a time
+    async_checkpoint: bool = False  # --async_checkpoint: checkpoints written in the background
     model_given: bool = True  # --model_name_or_path was passed (False: the recipe's own fresh preset)
     preset: str = ""  # --model_preset when no --model_name_or_path is given ("": a given model)
     # Facts known only once the model or the Accelerator is built: check_built(...) weighs them against the same
@@ -311,6 +315,12 @@ RULES: tuple[Rule, ...] = (
                    f"{RECIPES[r.recipe].no_compile or 'it has not been run compiled here'}",
          lambda r: "drop --torch_compile (and set dynamo_backend: NO in the launch config), or use a recipe that "
                    "compiles: " + ", ".join(f"recipes/{n}.py" for n, s in RECIPES.items() if s.compiles)),
+    Rule(lambda r: r.async_checkpoint and not RECIPES[r.recipe].async_checkpoint,
+         lambda r: f"--async_checkpoint: recipes/{r.recipe}.py writes its checkpoints with torch.save / safetensors "
+                   "(or DeepSpeed's own writer), not torch.distributed.checkpoint, whose async_save is what writes "
+                   "one in the background",
+         lambda r: "drop --async_checkpoint, or use a recipe whose checkpoints are DCP shards: " + ", ".join(
+             f"recipes/{n}.py" for n, s in RECIPES.items() if s.async_checkpoint)),
     # Pipeline schedules (recipes/pipeline_parallel.py, data_model_parallel.py) split each batch into micro-batches.
     # A count the schedule itself cannot run (torch's schedule classes say which: recipes/pipeline_parallel.py asks).
     Rule(lambda r: r.microbatches > 0 and bool(r.batch_size % r.microbatches or r.schedule_refuses),
