@@ -5,7 +5,8 @@
 #                                              PET_MASTER_PORT
 #   Kubeflow PyTorchJob (training-operator v1): WORLD_SIZE (the pods), RANK (this pod), MASTER_ADDR, MASTER_PORT
 #   bash examples/kubernetes/launch.sh recipes/data_parallel.py --output_dir /output/run --checkpointing_steps 50
-# CONFIG: the launch config (multi_node.yaml, or fsdp.yaml ...); MAX_RESTARTS=N: elastic restarts, as the sbatch.
+# CONFIG: the launch config (multi_node.yaml, or fsdp.yaml ...); MAX_RESTARTS=N: elastic restarts, as the sbatch
+# (verified on one machine only: docs/multi_node.md).
 # tests/test_engines.py runs it as 2 "pods" of 1 process on 127.0.0.1, with the TrainJob's own command and args.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,7 +24,7 @@ fi
 unset PET_NNODES PET_NPROC_PER_NODE PET_NODE_RANK PET_MASTER_ADDR PET_MASTER_PORT RANK WORLD_SIZE
 ELASTIC=()
 if [ "${MAX_RESTARTS:-0}" -gt 0 ]; then
-    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 PET_RDZV_ENDPOINT=$MAIN_IP:${RDZV_PORT:-29400}
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # c10d on MAIN_IP:MAIN_PORT, a store of its own per attempt
     ELASTIC=(--rdzv_backend c10d --max_restarts "$MAX_RESTARTS" --monitor_interval 1)
 fi
 exec accelerate launch --config_file "${CONFIG:-accelerate_configs/multi_node.yaml}" \
