@@ -122,7 +122,9 @@ def test_ray_torchtrainer_two_cpu_workers(tmp_path_factory, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "examples/ray/train_ray.py", "--num_workers", "2", "recipes/data_parallel.py",
            *RECIPE_ARGS, "--output_dir", str(out)]
-    env = {k: v for k, v in _env(RAY_USAGE_STATS_ENABLED="0").items() if k != "RAY_ADDRESS"}  # a local Ray
+    # A local Ray; on a loaded machine its raylet took longer than the 60 s Ray waits by default.
+    env = {k: v for k, v in _env(RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="400").items()
+           if k != "RAY_ADDRESS"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     _same_as_ddp(tmp_path_factory, out, "Ray TorchTrainer, 2 CPU workers")
