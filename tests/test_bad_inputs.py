@@ -616,6 +616,12 @@ CASES = [
          ["The Hugging Face cache /dev/null/.cache/huggingface cannot be written", "Set HF_HOME"],
          setup=lambda t: ["--train_file", _table(t)], env={"HOME": "/dev/null", "HF_HOME": "", "XDG_CACHE_HOME": ""},
          fix=[], fix_env={"HF_HOME": "/tmp/hf_home"}),
+    # ---- elastic restarts that could not connect: what torch elastic sets under --max_restarts and a shared store
+    Case("elastic-restarts-shared-store", "--max_restarts with torch's shared rendezvous store (static, or c10d "
+         "without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): a restart would never connect", [],
+         ["would read their dead peers' addresses", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv_backend c10d"],
+         env={"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}, fix=[],
+         fix_env={"TORCHELASTIC_USE_AGENT_STORE": "False"}),
 ]
 # The earlier rows whose fix is a flag or a recipe, followed (argv, recipe, env); the others' fix is in the data, a
 # pip install, or a launch of several processes (test_following_a_launch_fix_clears_the_rule).

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -189,7 +190,7 @@ def maybe_save_checkpoint(accelerator, launch: Launch, step: int, micro_batches:
 def find_checkpoint(launch: Launch, num_processes: int) -> Path | None:
     """The directory --resume_from_checkpoint names ('latest': the newest one of this run that verifies; another
     run's, in the same directory, with another seed, model, data or batch, is skipped with a warning)."""
-    wanted, root = launch.args.resume_from_checkpoint, checkpoints_root(launch.output_dir)
+    wanted, root = launch.resume_from_checkpoint, checkpoints_root(launch.output_dir)
     if not wanted:
         return None
     if wanted == "latest":
@@ -236,6 +237,13 @@ def resume(accelerator, launch: Launch) -> tuple[int, int]:
     A checkpoint of a run with other FIXED settings is refused before anything is loaded, naming them; a changed
     learning rate or schedule is applied from the resumed step on, and held in launch.resume_changes."""
     path, steps = find_checkpoint(launch, accelerator.num_processes), launch.max_train_steps
+    if launch.elastic_restarts and accelerator.is_main_process:  # the budget torch elastic has left, and then what
+        used, most = launch.elastic_restarts, int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+        then = ("the last one: if a process dies again, the job ends. Find why in the launcher's failure summary (rank,"
+                " exit code, signal), fix it, and run the same command with --resume_from_checkpoint latest"
+                if used >= most else f"{most - used} left")
+        logger.warning("torch elastic restart %d of %d (a process died; all were restarted), resuming from %s: %s.",
+                       used, most, path or "step 0 (no complete checkpoint; --checkpointing_steps N writes them)", then)
     if accelerator.is_main_process and not launch.args.no_save_model:  # the final model's room, before any step
         params = [p for m in accelerator._models for p in m.parameters()]
         needed = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params)  # ZeRO-3: its full size

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,6 +120,8 @@ class Preemption:
         self.agreed = 0  # the signal the processes agreed on at the meter's last logging step
 
     def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():  # Ray Train's workers: signals are Ray's there
+            return
         def handler(signum, _frame):
             if signum == signal.SIGINT and self.local:
                 raise KeyboardInterrupt
@@ -177,11 +180,14 @@ class Launch:
     preemption: Preemption = field(default_factory=Preemption)  # SIGTERM / SIGINT, agreed over the processes
     resume_changes: dict = field(default_factory=dict)  # setting -> (saved, now): what a resume changed (checkpoint)
     checkpoint_writes: object = None  # --async_checkpoint: techniques/async_checkpoint.py's AsyncCheckpoints
+    resume_from_checkpoint: str | None = None  # the flag, or 'latest' in processes torch elastic restarted
+    elastic_restarts: int = 0  # TORCHELASTIC_RESTART_COUNT: how often torch elastic restarted the processes
 
     def resolved(self) -> dict[str, object]:
         """What the launch resolved, for results.json beside the flags as typed."""
         names = ("recipe", "output_dir", "mixed_precision", "torch_compile", "learning_rate",
-                 "per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "max_train_steps")
+                 "per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "max_train_steps",
+                 "resume_from_checkpoint", "elastic_restarts")
         return {name: getattr(self, name) for name in names}
 
 
@@ -243,9 +249,21 @@ def resolve_launch(
         raise SystemExit(f"The Hugging Face cache {home} cannot be written ({there} is not a writable directory). "
                          "Set HF_HOME to a writable directory (export HF_HOME=/tmp/hf_home).")
     log_with = _trackers(args.report_to)
+    # Restarted by torch elastic (`--max_restarts N`, a process died): the same command goes on from the newest
+    # complete checkpoint; a fresh launch keeps refusing a finished run's directory (docs/multi_node.md).
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # Where torch shares the launcher's store with the processes (static rendezvous; c10d unless told not to), a
+    # restart's processes read their dead peers' addresses left in it and never connect: refused before any work.
+    shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared_store and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+        raise SystemExit("--max_restarts: the restarted processes would read their dead peers' addresses in the store "
+                         "of the first attempt and fail to connect (Gloo connectFullMesh failed: Connection refused). "
+                         "Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv_backend c10d "
+                         "(docs/multi_node.md).")
+    resume_from = args.resume_from_checkpoint or ("latest" if restarts else None)
     # Last of the checks: --overwrite_output_dir removes the old run, which a refusal above must not have cost.
     if os.environ.get("RANK", "0") == "0":  # the main process: one run per output directory
-        rundir.claim(args, output_dir)
+        rundir.claim(args, output_dir, resume_from)
 
     # Two processes on two cores with torch's default thread count oversubscribe the CPU: a 3 s run took 83 s.
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:
@@ -274,7 +292,8 @@ def resolve_launch(
                   torch_compile=torch_compile, learning_rate=learning_rate, per_device_train_batch_size=batch,
                   gradient_accumulation_steps=accumulation, max_grad_norm=clipping, run=run, cpu=cpu,
                   kwargs_handlers=[process_group], log_with=log_with, fsdp_plugin=fsdp_plugin,
-                  dynamo_plugin=build_dynamo_plugin(torch_compile))
+                  dynamo_plugin=build_dynamo_plugin(torch_compile), resume_from_checkpoint=resume_from,
+                  elastic_restarts=restarts)
 
 
 def start_run(accelerator: Accelerator, launch: Launch) -> None:

@@ -18,9 +18,10 @@ FINISHED = ("results.json", "model.safetensors", "model.safetensors.index.json",
 _held: dict[Path, int] = {}  # output dir -> this process's locked descriptor
 
 
-def claim(args: argparse.Namespace, output_dir: str) -> None:
+def claim(args: argparse.Namespace, output_dir: str, resume: str | None) -> None:
     """Before anything loads, on the main process: the directory can be written, no other run holds it, and it holds
-    no finished run unless --overwrite_output_dir (which removes that run's files) or a resume is asked."""
+    no finished run unless --overwrite_output_dir (which removes that run's files) or a resume is asked (`resume`:
+    --resume_from_checkpoint, or 'latest' in a restart). A dead run's lock is free: the kernel dropped it."""
     import fcntl
 
     path = Path(output_dir).expanduser().absolute()
@@ -40,7 +41,7 @@ def claim(args: argparse.Namespace, output_dir: str) -> None:
     _held[path] = fd
     before = _read_lock(fd).get("before")
     done = [name for name in FINISHED if (path / name).exists()]
-    if done and not args.resume_from_checkpoint:
+    if done and not resume:
         if not args.overwrite_output_dir:
             release()
             raise SystemExit(f"--output_dir {output_dir!r} holds a finished run ({done[0]}): a new run would replace "
@@ -48,7 +49,7 @@ def claim(args: argparse.Namespace, output_dir: str) -> None:
                              "--resume_from_checkpoint latest to train it on, or another --output_dir.")
         _remove_run(path, before)
         before = None
-    if before is None or not args.resume_from_checkpoint:  # a resume keeps its first session's record
+    if before is None or not resume:  # a resume keeps its first session's record
         before = {p.name: p.stat().st_mtime_ns for p in path.iterdir() if p.name != LOCK}
     record = json.dumps({"by": f"pid {os.getpid()} on {socket.gethostname()}", "before": before}).encode()
     os.ftruncate(fd, 0)
