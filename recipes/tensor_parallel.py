@@ -14,8 +14,8 @@ ViT. gloo on CPU.
     accelerate launch --config_file accelerate_configs/multi_cpu.yaml recipes/tensor_parallel.py --task causal-lm
     accelerate launch --config_file accelerate_configs/tp2_dp2.yaml recipes/tensor_parallel.py --tp_size 2
 Global batch = --per_device_train_batch_size x data-parallel groups. --checkpointing_steps: each process writes its
-shards (torch.distributed.checkpoint); resume on the same mesh. Saves one consolidated model.safetensors (each
-shard gathered with full_tensor()) that from_pretrained loads in one process.
+shards (torch.distributed.checkpoint); resume on any mesh of the same global batch (docs/resharding.md). Saves one
+consolidated model.safetensors (each shard gathered with full_tensor()) that from_pretrained loads in one process.
 """
 
 import sys
@@ -85,6 +85,7 @@ def main(argv=None) -> dict:
     from torch.distributed.fsdp import fully_shard
     device = accelerator.device
     dp, tp = mesh_shape(accelerator.num_processes, args.tp_size)
+    launch.data_parallel_size = dp  # the global batch a checkpoint keeps on another mesh (checkpoint.reshard)
     # The model's own plan or ours; refused from its config (no plan, heads that do not split) before weights load.
     family = family_of(model_config(args), tp, args.shard_vocab)
     task = load_task(launch, accelerator)  # the same seed on every process: each starts from the same whole model

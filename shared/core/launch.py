@@ -176,6 +176,7 @@ class Launch:
     max_train_steps: int | None = None  # --max_train_steps, or the steps of --num_train_epochs (optim.total_steps)
     preemption: Preemption = field(default_factory=Preemption)  # SIGTERM / SIGINT, agreed over the processes
     resume_changes: dict = field(default_factory=dict)  # setting -> (saved, now): what a resume changed (checkpoint)
+    data_parallel_size: int | None = None  # processes that read different batches, where not all (tensor parallel)
 
     def resolved(self) -> dict[str, object]:
         """What the launch resolved, for results.json beside the flags as typed."""
