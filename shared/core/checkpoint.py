@@ -25,9 +25,8 @@ MANIFEST = "manifest.json"
 STAGE_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt")  # in each rank_NNNNN/ of a per-process save
 
 
-# A checkpoint records its run (trainer_state.json "run"). A resume that changes one of FIXED is refused, naming it
-# (the data position, model or batch would not be the saved ones); one of CHANGEABLE is applied and reported; one of
-# LAYOUT only where the recipe's checkpoints reshard (rules.Support.reshards) and the global batch stays (reshard).
+# A checkpoint records its run (trainer_state.json "run"). A resume that changes one of FIXED is refused, naming it;
+# one of CHANGEABLE is applied and reported; one of LAYOUT where the recipe reshards and the global batch stays.
 FIXED = ("recipe", "task", "model_name_or_path", "model_preset", "train_file", "validation_file", "dataset_name",
          "dataset_config_name", "train_dir", "max_train_samples", "max_seq_length", "packing", "seed")
 CHANGEABLE = ("learning_rate", "lr_scheduler_type", "num_warmup_steps", "weight_decay", "max_train_steps")
@@ -267,24 +266,20 @@ def resume(accelerator, launch: Launch) -> tuple[int, int]:
 
 
 def reshard(launch: Launch, path: Path, saved: dict, run: dict, micro_batches: int) -> int:
-    """The data position in this run's micro-batches, also on another LAYOUT where the recipe reshards and the global
-    batch is kept: the seedable sampler then gives each optimizer step the same samples (docs/resharding.md)."""
+    """The data position in this run's micro-batches; on another LAYOUT too, if it keeps the batch (resharding.md)."""
     layout = differences(saved, run, LAYOUT)
-
-    def batch(r: dict) -> int:  # samples per optimizer step
-        dp = r.get("data_parallel_size") or r["num_processes"]
-        return r["per_device_train_batch_size"] * r["gradient_accumulation_steps"] * dp
-
     if not layout:
         return micro_batches
+    def batch(r: dict) -> int:  # noqa: E306 (samples per optimizer step)
+        return r["per_device_train_batch_size"] * r["gradient_accumulation_steps"] * (
+            r.get("data_parallel_size") or r["num_processes"])
     if not rules.RECIPES[launch.recipe].reshards:
         fix = f"recipes/{launch.recipe}.py resumes only on the layout that wrote it: resume with that run's settings"
     elif batch(saved) != batch(run):
         per = batch(saved) / batch({**run, "per_device_train_batch_size": 1})
-        fix = (f"the global batch (per device x processes x accumulation) was {batch(saved)}, now {batch(run)}: pass "
-               + (f"--per_device_train_batch_size {per:g}" if per.is_integer() else f"a batch of {batch(saved)}"))
+        fix = f"the global batch (per device x processes x accumulation) was {batch(saved)}, now {batch(run)}: pass" + (
+            f" --per_device_train_batch_size {per:g}" if per.is_integer() else f" a batch of {batch(saved)}")
     else:
-        logger.warning("resuming %s on another layout (%s), the same global batch", path, _described(layout))
         return micro_batches // saved["gradient_accumulation_steps"] * run["gradient_accumulation_steps"]
     raise SystemExit(f"{path} was written on another layout ({_described(layout)}); {fix}, or start afresh in "
                      "another --output_dir (docs/resharding.md).")

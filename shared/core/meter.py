@@ -96,10 +96,10 @@ class Meter:
         """Call once per optimizer step, after optimizer.step() and before zero_grad(): state bytes are counted on
         the first call, while parameters, gradients and optimizer state all exist."""
         batches = batches if isinstance(batches, list) else [batches]
-        if self.launch.args.record_samples:  # which samples this step read on this process
-            rows = [zlib.crc32(row.cpu().numpy().tobytes()) for b in batches for row in b.get("input_ids", b["labels"])]
+        if self.launch.args.record_samples:  # which samples this step read on this process (a CRC32 per row)
             with (Path(self.launch.output_dir) / f"samples_{self.accelerator.process_index}.jsonl").open("a") as f:
-                f.write(json.dumps([step, rows]) + "\n")
+                f.write(json.dumps([step, [zlib.crc32(r.cpu().numpy().tobytes()) for b in batches
+                                           for r in b.get("input_ids", b["labels"])]]) + "\n")
         if not self._warmup:  # the same steps as the timing
             self.samples += sum(len(b["labels"]) for b in batches)
             self.tokens += sum(self.task.tokens_in(b) for b in batches)
