@@ -16,8 +16,8 @@ ViT. gloo on CPU.
 Its own mesh, not Accelerate's ParallelismConfig(tp_size, dp_shard_size): Accelerate takes only a model transformers
 already split, and its TP x FSDP2 prepare() imports a class transformers 5.24 lacks (docs/hsdp.md).
 Global batch = --per_device_train_batch_size x data-parallel groups. --checkpointing_steps: each process writes its
-shards (torch.distributed.checkpoint); resume on the same mesh. Saves one consolidated model.safetensors (each
-shard gathered with full_tensor()) that from_pretrained loads in one process.
+shards (torch.distributed.checkpoint); resume on any mesh of the same global batch (docs/resharding.md). Saves one
+consolidated model.safetensors (each shard gathered with full_tensor()) that from_pretrained loads in one process.
 """
 
 import sys
@@ -88,6 +88,7 @@ def main(argv=None) -> dict:
     from torch.distributed.fsdp import fully_shard
     device = accelerator.device
     dp, tp = mesh_shape(accelerator.num_processes, args.tp_size)
+    launch.data_parallel_size = dp  # the global batch a checkpoint keeps on another mesh (checkpoint.reshard)
     # The model's own plan or ours; refused from its config (no plan, heads that do not split) before weights load.
     family = family_of(model_config(args), tp, args.shard_vocab)
     task = load_task(launch, accelerator)  # the same seed on every process: each starts from the same whole model

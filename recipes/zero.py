@@ -29,6 +29,7 @@ from shared.core.tasks import load_task
 from shared.techniques.deepspeed_setup import (
     add_deepspeed_args,
     deepspeed_summary,
+    load_universal_checkpoints,
     patch_zero_step_to_count_states,
     resolve_deepspeed_config,
     schedule_the_optimizer_that_steps,
@@ -77,6 +78,7 @@ def main(argv=None) -> dict:
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
     schedule_the_optimizer_that_steps(model, scheduler)  # else, after a resume with offload, the learning rate freezes
+    load_universal_checkpoints(accelerator, model)  # converted by shared/tools/reshard.py: any process count
     start_step, consumed = resume(accelerator, launch)
     k = args.gradient_accumulation_steps
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)

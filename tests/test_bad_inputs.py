@@ -176,6 +176,14 @@ def _finished_checkpoint(tmp: Path) -> Path:
     return tmp / "done" / "checkpoints" / "step_00000004"
 
 
+def _saved_at_batch_4(tmp: Path, recipe: str) -> Path:
+    from tests.conftest import run_recipe
+
+    run_recipe(recipe, tmp / "saved", "--max_train_steps", 2, "--checkpointing_steps", 2,
+               "--per_device_train_batch_size", 4, "--no_save_model")
+    return tmp / "saved" / "checkpoints" / "step_00000002"
+
+
 def _checkpoint_dir(tmp: Path) -> Path:
     path = tmp / "half_written"
     path.mkdir()
@@ -529,6 +537,16 @@ CASES = [
     Case("resume-past-the-end", "resuming a checkpoint past the run's last step (a lowered --max_train_steps)", [],
          ["is at step 4, past this run's 2 steps", "Pass --max_train_steps 4 or more"],
          setup=lambda t: ["--resume_from_checkpoint", _finished_checkpoint(t)]),
+    Case("resume-another-global-batch", "resuming on another per-device batch, process count or accumulation whose "
+         "product, the global batch, is not the checkpoint's (docs/resharding.md)",
+         ["--per_device_train_batch_size", 2],
+         ["the global batch (per device x processes x accumulation) was 4, now 2",
+          "pass --per_device_train_batch_size 4"],
+         setup=lambda t: ["--resume_from_checkpoint", _saved_at_batch_4(t, "baseline")]),
+    Case("resume-layout-not-resharded", "resuming on another layout a recipe whose checkpoints do not reshard",
+         ["--per_device_train_batch_size", 2], ["recipes/mixed_precision.py resumes only on the layout that wrote it",
+                                                 "resume with that run's settings"], recipe="mixed_precision",
+         setup=lambda t: ["--resume_from_checkpoint", _saved_at_batch_4(t, "mixed_precision")]),
     Case("dora-without-lora", "DoRA asked for with no LoRA adapters to shape", ["--use_dora"],
          ["--use_dora makes the LoRA adapters DoRA adapters, and --lora trains none", "Add --lora"],
          recipe="combined"),
@@ -646,6 +664,8 @@ _FOLLOWED = {
     "save-limit-without-checkpoints": (["--save_total_limit", "2", "--checkpointing_steps", "1"], "", {}),
     "tracker-typo": (["--report_to", "tensorboard"], "", {}),
     "resume-past-the-end": (["--max_train_steps", "4"], "", {}),
+    "resume-another-global-batch": (["--per_device_train_batch_size", "4"], "", {}),
+    "resume-layout-not-resharded": (["--per_device_train_batch_size", "4"], "", {}),
     # fixes that lead to the next refusal, a true one: the tiny data then holds too few blocks, or no label column
     "too-little-text": (["--task", "causal-lm", "--max_seq_length", "6", "--per_device_train_batch_size", "1"], "", {}),
     "missing-text-column": (["--text_column", "review", "--label_column", "sentiment"], "", {}),

@@ -48,7 +48,10 @@ BAD_INPUTS = {
         "a library missing from this machine",
     ("shared/techniques/pipeline_stages.py", "split_layers", "--layers_per_stage "): "a --layers_per_stage that does "
                                                                                      "not parse or add up",
-    # A checkpoint written by another layout: resuming on another world size is a later issue (resharding).
+    # A checkpoint written by another layout that these recipes cannot reshard (docs/resharding.md).
+    ("shared/techniques/deepspeed_setup.py", "load_checkpoint", " holds the ZeRO slices of "): "a ZeRO checkpoint of "
+                                                                                        "another process count, "
+                                                                                        "not converted",
     ("shared/techniques/pipeline_stages.py", "load_hook", " holds the state of "): "a checkpoint of another "
                                                                                   "process count",
     ("shared/techniques/pipeline_stages.py", "load_hook", " holds another stage than"): "a checkpoint of another cut "

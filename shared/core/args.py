@@ -200,6 +200,8 @@ def parse_args(
     g.add_argument("--resume_from_checkpoint", default=None, help="A checkpoint directory, or 'latest' in output_dir.")
     g.add_argument("--async_checkpoint", action="store_true", help="Write checkpoints' DCP shards while training "
                    "goes on (torch.distributed.checkpoint.async_save); complete once written.")
+    g.add_argument("--record_samples", action="store_true", help="Append each step's samples (a CRC32 per row) to "
+                   "<output_dir>/samples_<process>.jsonl: the data position a resume continues (docs/resharding.md).")
     g.add_argument("--report_to", default="tensorboard", help="Tracker(s) for Accelerate, comma-separated, or 'none'.")
     g.add_argument("--logging_steps", type=COUNT, default=10)
     g.add_argument("--no_save_model", action="store_true", help="Skip saving the final model (tests, benchmarks).")

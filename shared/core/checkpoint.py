@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import rundir
+from . import rules, rundir
 
 if TYPE_CHECKING:
     from .launch import Launch
@@ -27,18 +27,19 @@ MANIFEST = "manifest.json"
 STAGE_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt")  # in each rank_NNNNN/ of a per-process save
 
 
-# A checkpoint records its run (trainer_state.json "run"). A resume that changes one of FIXED is refused, naming it
-# (the data position, model or batch would not be the saved ones); one of CHANGEABLE is applied and reported.
+# A checkpoint records its run (trainer_state.json "run"). A resume that changes one of FIXED is refused, naming it;
+# one of CHANGEABLE is applied and reported; one of LAYOUT where the recipe reshards and the global batch stays.
 FIXED = ("recipe", "task", "model_name_or_path", "model_preset", "train_file", "validation_file", "dataset_name",
-         "dataset_config_name", "train_dir", "max_train_samples", "max_seq_length", "packing", "seed",
-         "num_processes", "per_device_train_batch_size", "gradient_accumulation_steps")
+         "dataset_config_name", "train_dir", "max_train_samples", "max_seq_length", "packing", "seed")
 CHANGEABLE = ("learning_rate", "lr_scheduler_type", "num_warmup_steps", "weight_decay", "max_train_steps")
+LAYOUT = ("num_processes", "per_device_train_batch_size", "gradient_accumulation_steps", "data_parallel_size")
 
 
 def run_identity(launch: Launch, num_processes: int) -> dict[str, object]:
     """The run's settings a checkpoint is only valid for (FIXED), and those a resume may change (CHANGEABLE)."""
-    resolved = {**vars(launch.args), **launch.resolved(), "num_processes": num_processes}
-    return {key: resolved.get(key) for key in FIXED + CHANGEABLE}
+    resolved = {**vars(launch.args), **launch.resolved(), "num_processes": num_processes,
+                "data_parallel_size": launch.data_parallel_size or num_processes}
+    return {key: resolved.get(key) for key in FIXED + CHANGEABLE + LAYOUT}
 
 
 def differences(saved: dict, current: dict, keys: tuple[str, ...]) -> dict[str, tuple]:
@@ -257,6 +258,7 @@ def resume(accelerator, launch: Launch) -> tuple[int, int]:
     if fixed:
         raise SystemExit(f"{path} was written by another run: {_described(fixed)}. Resume with that run's settings, or "
                          "start afresh in another --output_dir (the data position, model or batch would differ).")
+    consumed = reshard(launch, path, saved, run, state["micro_batches"])
     if steps and state["step"] > steps:
         raise SystemExit(f"{path} is at step {state['step']}, past this run's {steps} steps. Pass "
                          f"--max_train_steps {state['step']} or more (or --num_train_epochs) to train on.")
@@ -283,4 +285,24 @@ def resume(accelerator, launch: Launch) -> tuple[int, int]:
         logger.warning("resumed %s with changed settings (applied from step %d): %s", path, state["step"],
                        launch.resume_changes)
     logger.info("resumed from %s at step %d", path, state["step"])
-    return state["step"], state["micro_batches"]
+    return state["step"], consumed
+
+
+def reshard(launch: Launch, path: Path, saved: dict, run: dict, micro_batches: int) -> int:
+    """The data position in this run's micro-batches; on another LAYOUT too, if it keeps the batch (resharding.md)."""
+    layout = differences(saved, run, LAYOUT)
+    if not layout:
+        return micro_batches
+    def batch(r: dict) -> int:  # noqa: E306 (samples per optimizer step)
+        return r["per_device_train_batch_size"] * r["gradient_accumulation_steps"] * (
+            r.get("data_parallel_size") or r["num_processes"])
+    if not rules.RECIPES[launch.recipe].reshards:
+        fix = f"recipes/{launch.recipe}.py resumes only on the layout that wrote it: resume with that run's settings"
+    elif batch(saved) != batch(run):
+        per = batch(saved) / batch({**run, "per_device_train_batch_size": 1})
+        fix = f"the global batch (per device x processes x accumulation) was {batch(saved)}, now {batch(run)}: pass" + (
+            f" --per_device_train_batch_size {per:g}" if per.is_integer() else f" a batch of {batch(saved)}")
+    else:
+        return micro_batches // saved["gradient_accumulation_steps"] * run["gradient_accumulation_steps"]
+    raise SystemExit(f"{path} was written on another layout ({_described(layout)}); {fix}, or start afresh in "
+                     "another --output_dir (docs/resharding.md).")

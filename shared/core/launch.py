@@ -182,6 +182,7 @@ class Launch:
     checkpoint_writes: object = None  # --async_checkpoint: techniques/async_checkpoint.py's AsyncCheckpoints
     resume_from_checkpoint: str | None = None  # the flag, or 'latest' in processes torch elastic restarted
     elastic_restarts: int = 0  # TORCHELASTIC_RESTART_COUNT: how often torch elastic restarted the processes
+    data_parallel_size: int | None = None  # processes that read different batches, where not all (tensor parallel)
 
     def resolved(self) -> dict[str, object]:
         """What the launch resolved, for results.json beside the flags as typed."""

@@ -3,8 +3,11 @@ with shared/core/measure.py). It measures only: ending a run is shared/core/guar
 
 from __future__ import annotations
 
+import json
 import time
+import zlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -93,6 +96,10 @@ class Meter:
         """Call once per optimizer step, after optimizer.step() and before zero_grad(): state bytes are counted on
         the first call, while parameters, gradients and optimizer state all exist."""
         batches = batches if isinstance(batches, list) else [batches]
+        if self.launch.args.record_samples:  # which samples this step read on this process (a CRC32 per row)
+            with (Path(self.launch.output_dir) / f"samples_{self.accelerator.process_index}.jsonl").open("a") as f:
+                f.write(json.dumps([step, [zlib.crc32(r.cpu().numpy().tobytes()) for b in batches
+                                           for r in b.get("input_ids", b["labels"])]]) + "\n")
         if not self._warmup:  # the same steps as the timing
             self.samples += sum(len(b["labels"]) for b in batches)
             self.tokens += sum(self.task.tokens_in(b) for b in batches)

@@ -39,6 +39,7 @@ class Support:
     splits_sequence: bool = False  # each process holds a chunk of every sequence (sequence parallel)
     no_fp16: str = ""  # why it refuses fp16 ("": it takes it)
     needs_trained_model: bool = False  # it starts from a trained model (--model_name_or_path), never a fresh preset
+    reshards: bool = False  # its checkpoints resume on another process count (docs/resharding.md)
     # The catalogue beyond this table. The memory planner (shared/tools/plan.py) has rows of its own for a recipe,
     # or models it as the recipe named in `plans_as`, or says in `not_planned` why it has no model of it.
     plans_as: str = ""
@@ -79,14 +80,14 @@ _NOT_PLANNED = {  # why shared/tools/plan.py has no rows for these
 _SHARDED = "recipes/zero.py (ZeRO), recipes/fsdp.py (FSDP) or recipes/combined.py (this technique with sharding)"
 _ONE_OR_DDP = "a single process or DDP (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml)"
 RECIPES: dict[str, Support] = {
-    "baseline": Support(compiles=True, instead=_SHARDED),
+    "baseline": Support(compiles=True, instead=_SHARDED, reshards=True),
     "mixed_precision": Support(compiles=True, instead=_SHARDED, diff_budget=41),
     # Accumulation keeps one micro-batch's activations at a time; DDP replicas each hold what the baseline holds.
     "gradient_accumulation": Support(compiles=True, accumulates=True, instead=_SHARDED, plans_as="baseline",
-                                     diff_budget=47),
+                                     diff_budget=47, reshards=True),
     "activation_checkpointing": Support(compiles=True, instead="recipes/combined.py --gradient_checkpointing",
                                         diff_budget=118),  # 107 with --checkpoint_every and the selective policy
-    "data_parallel": Support(compiles=True, instead=_SHARDED, plans_as="baseline", diff_budget=63),
+    "data_parallel": Support(compiles=True, instead=_SHARDED, plans_as="baseline", diff_budget=63, reshards=True),
     "optim_8bit": Support(instead="recipes/combined.py --optim adamw_bnb_8bit (ZeRO-1/2 without offload)",
                           diff_budget=55),
     # torchao's optimizers train under DDP and FSDP2 (benchmarks/compat_sweep.py); ZeRO: see the rule below.
@@ -112,7 +113,7 @@ RECIPES: dict[str, Support] = {
                                no_fp16="its loss scaler is not wired to the sharded gradients",
                                instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
                                        "the tensor-parallel degree), or tp2_dp2.yaml with --tp_size 2 (TP x FSDP2)",
-                               async_checkpoint=True, diff_budget=143),  # +3: --async_checkpoint
+                               async_checkpoint=True, diff_budget=146, reshards=True),  # +3: --async_checkpoint
     # Ulysses sequence parallel over all processes (recipes/sequence_parallel.py): each holds a chunk of every sequence.
     "sequence_parallel": Support(shardings=("ddp",), min_processes=2, splits_sequence=True,
                                  instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
@@ -126,12 +127,12 @@ RECIPES: dict[str, Support] = {
                                not_planned=_NOT_PLANNED["expert_parallel"], async_checkpoint=True,
                                diff_budget=103),  # 92 measured; +3: --async_checkpoint
     "zero": Support(shardings=_ZERO, accumulates=True, instead="accelerate_configs/zero1.yaml, zero2.yaml, zero3.yaml",
-                    no_compile=_NO["zero"], diff_budget=81),
+                    no_compile=_NO["zero"], diff_budget=84, reshards=True),  # +2: universal checkpoints (reshard.py)
     "zero3_offload": Support(no_compile=_NO["zero3_offload"], shardings=_ZERO, accumulates=True, needs_offload=True,
                              instead="accelerate_configs/zero3_offload.yaml, zero2_offload.yaml or zero3_nvme.yaml",
                              diff_budget=92),
     "fsdp": Support(shardings=("fsdp",), min_processes=2, instead="accelerate_configs/fsdp.yaml or fsdp_offload.yaml "
-                    "(hsdp.yaml: HSDP)", async_checkpoint=True,
+                    "(hsdp.yaml: HSDP)", async_checkpoint=True, reshards=True,  # SHARDED_STATE_DICT: DCP reshards
                     diff_budget=73),  # +15: --dp_replicate_size / --dp_shard_size (HSDP); +3: --async_checkpoint
     "qlora": Support(shardings=SHARDINGS, diff_budget=168),  # +4: its checkpoints keep the adapters (2026-12-01)
     "combined": Support(shardings=SHARDINGS, diff_budget=150),  # planned: shared/tools/plan.py COMBINED

@@ -276,6 +276,26 @@ def schedule_the_optimizer_that_steps(model: torch.nn.Module, scheduler: object)
             sched.optimizer = model.optimizer
 
 
+def load_universal_checkpoints(accelerator, model: torch.nn.Module) -> None:
+    """Make load_state load a ZeRO checkpoint that shared/tools/reshard.py converted to DeepSpeed's universal form
+    (one file per parameter, on any process count), and refuse a plain one of another process count with that fix.
+    In DeepSpeedEngine.load_checkpoint itself: Accelerate runs its load hooks only after the engine has loaded."""
+    load = model.load_checkpoint
+
+    def load_checkpoint(load_dir: str, tag: str | None = None, **kwargs: object) -> object:
+        zero = Path(load_dir) / str(tag)
+        universal, saved = (zero / "zero").is_dir(), len(list(zero.glob("*optim_states.pt")))
+        model._config.load_universal_checkpoint = universal  # the config's checkpoint.load_universal
+        if not universal and saved != accelerator.num_processes:
+            raise SystemExit(f"{load_dir} holds the ZeRO slices of {saved} processes, and this run has "
+                             f"{accelerator.num_processes}. Convert it to DeepSpeed's universal checkpoint, which "
+                             f"loads on any process count: python -m shared.tools.reshard {load_dir}, then resume "
+                             f"from {load_dir}_universal (docs/resharding.md).")
+        return load(load_dir, tag, **kwargs)
+
+    model.load_checkpoint = load_checkpoint
+
+
 def deepspeed_summary(accelerator, model: torch.nn.Module) -> dict[str, object]:
     """What DeepSpeed really ran with, for results.json; the resolved config is logged on the main process. With
     NVMe offload, the swap files this run wrote are removed when each process exits (remove_swap_files)."""

@@ -236,8 +236,9 @@ def checkpoint_dtensors(accelerator, model: nn.Module, optimizer: torch.optim.Op
     a device mesh that Accelerate did not build) with torch.distributed.checkpoint: every process writes its own
     shards of the model and of the optimizer state into <checkpoint>/dcp/ and reads them back in place.
 
-    `layout` (e.g. {"dp": 2, "tp": 2}) is saved beside them: a resume on another mesh is refused, since the data
-    position counts this mesh's batches and GPT-2's fused qkv rows are ordered for this tensor-parallel degree.
+    `layout` (e.g. {"dp": 2, "tp": 2}) is saved beside them. A resume on another mesh reshards (dcp.load reads each
+    process's new shards from the saved ones; the core keeps the global batch, checkpoint.reshard), except GPT-2 on
+    another tensor-parallel degree: its fused qkv rows are ordered for the degree that saved them (prepare_blocks).
     Accelerate still saves and restores each process's RNG states; save_checkpoint's manifest covers dcp/."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -254,9 +255,10 @@ def checkpoint_dtensors(accelerator, model: nn.Module, optimizer: torch.optim.Op
             raise SystemExit(f"{input_dir} has no mesh.json: it was not saved by a DTensor run (tensor parallel). "
                              "Resume from a checkpoint this recipe wrote, or drop --resume_from_checkpoint.")
         saved = json.loads((Path(input_dir) / "mesh.json").read_text())
-        if saved != layout:
-            raise SystemExit(f"{input_dir} was saved on the mesh {saved}, and this run's is {layout}. Resume with "
-                             f"the same --num_processes and --tp_size as the run that saved it.")
+        if saved["tp"] != layout["tp"] and model.config.model_type == "gpt2":
+            raise SystemExit(f"{input_dir} was saved on the mesh {saved}, and this run's is {layout}: GPT-2's fused "
+                             f"qkv rows are ordered for {saved['tp']} tensor-parallel processes. Resume with --tp_size "
+                             f"{saved['tp']} (any data-parallel degree), or a model with separate q, k, v projections.")
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=str(Path(input_dir) / "dcp"))  # into this process's shards, in place
