@@ -85,8 +85,7 @@ RECIPES: dict[str, Support] = {
                                      diff_budget=47),
     "activation_checkpointing": Support(compiles=True, instead="recipes/combined.py --gradient_checkpointing",
                                         diff_budget=118),  # 107 with --checkpoint_every and the selective policy
-    # 112: 106 measured with --comm_hook / --local_sgd_steps (2026-12-02), 34 of them the loop re-indented under
-    # LocalSGD's with-block
+    # 112: 106 measured with --comm_hook / --local_sgd_steps (2026-12-02), 34 the loop re-indented under LocalSGD
     "data_parallel": Support(compiles=True, instead=_SHARDED, plans_as="baseline", diff_budget=112),
     "optim_8bit": Support(instead="recipes/combined.py --optim adamw_bnb_8bit (ZeRO-1/2 without offload)",
                           diff_budget=55),
@@ -198,10 +197,8 @@ class Run:
     checkpoint_policy: str = ""  # full | selective ("": not checked)
     shard_vocab: bool = False  # tensor parallel: the embedding and head split over the vocabulary too
     chunked_loss: bool = False  # the head's matmul and loss a chunk of tokens at a time
-    # Less gradient traffic (recipes/data_parallel.py): a DDP comm hook (no | fp16 | bf16 | power_sgd |
-    # batched_power_sgd), or LocalSGD averaging the parameters every local_sgd_steps (0: off).
-    comm_hook: str = "no"
-    local_sgd_steps: int = 0
+    comm_hook: str = "no"  # data_parallel.py's DDP comm hook: no | fp16 | bf16 | power_sgd | batched_power_sgd
+    local_sgd_steps: int = 0  # LocalSGD: the parameters averaged every K steps (0: off)
     powersgd_start: int = 0  # PowerSGD's first compressed step
     powersgd_typed: str = ""  # the PowerSGD flags given
     train_steps: int = 0  # --max_train_steps (0: not given)
@@ -426,8 +423,8 @@ RULES: tuple[Rule, ...] = (
          lambda r: f"{r.powersgd_typed} tune PowerSGD, and --comm_hook {r.comm_hook} does not run it",
          lambda r: "add --comm_hook power_sgd (or batched_power_sgd), or drop them"),
     Rule(lambda r: r.comm_hook == "bf16" and not r.on_accelerator,  # though gloo all-reduces bf16 (tried here)
-         lambda r: "--comm_hook bf16 on a CPU-only machine: torch's DDP refuses bf16_compress_hook, by its name, "
-                   "without CUDA and NCCL 2.10+ (or XPU and XCCL)",
+         lambda r: "--comm_hook bf16 on a CPU-only machine: torch's DDP refuses bf16_compress_hook without CUDA "
+                   "and NCCL 2.10+ (or XPU and XCCL)",
          lambda r: "use --comm_hook fp16 (the same 2 bytes a value) on CPU, bf16 on GPUs"),
     Rule(lambda r: "power_sgd" in r.comm_hook and 0 < r.train_steps <= r.powersgd_start,
          lambda r: f"--max_train_steps {r.train_steps} with --powersgd_start_iter {r.powersgd_start}: PowerSGD sends "
