@@ -166,20 +166,17 @@ RUN_ARGS = ["--max_train_steps", "2", "--per_device_train_batch_size", "4", "--m
             "--logging_steps", "1", "--ddp_timeout", "120"]
 
 
-def run_cell(cell: Cell, out: Path, timeout: int) -> dict:
-    """Launch the cell; classify how it ended. Returns the row for the table."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = cell.command(out, probe=True)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *cmd[2:],
-           *RUN_ARGS, "--overwrite_output_dir", "--output_dir", str(out)]
-    t0 = time.perf_counter()
+def launch_logged(cmd: list[str], out: Path, timeout: int) -> tuple[str, int | None, float]:
+    """Run a cell's launch into out/launch.log: (its output, exit code or None when it hung, seconds). A hung launch
+    is killed with every worker (torch's launcher starts them outside its process group). Also
+    benchmarks/decoder_presets.py's."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         log, _ = proc.communicate(timeout=timeout)
         code = proc.returncode
     except subprocess.TimeoutExpired:
-        # The launcher and every worker (torch's launcher starts them outside its process group).
         import psutil
 
         for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
@@ -187,8 +184,17 @@ def run_cell(cell: Cell, out: Path, timeout: int) -> dict:
                 p.kill()
         log, code = proc.communicate()[0], None
     (out / "launch.log").write_text(log)
-    row = {**asdict(cell), "name": cell.name, "command": " ".join(cell.command()), "wall_s": round(
-        time.perf_counter() - t0, 1)}
+    return log, code, time.perf_counter() - t0
+
+
+def run_cell(cell: Cell, out: Path, timeout: int) -> dict:
+    """Launch the cell; classify how it ended. Returns the row for the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = cell.command(out, probe=True)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *cmd[2:],
+           *RUN_ARGS, "--overwrite_output_dir", "--output_dir", str(out)]
+    log, code, seconds = launch_logged(cmd, out, timeout)
+    row = {**asdict(cell), "name": cell.name, "command": " ".join(cell.command()), "wall_s": round(seconds, 1)}
     results = out / "results.json"
     refused = sorted(out.glob("refused_rank*.txt"))
     broken = sorted(out.glob("broken_rank*.txt"))

@@ -21,12 +21,10 @@ Writes docs/results/decoder_presets.json and docs/decoder_presets.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import re
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -35,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.compat_sweep import launch_logged  # noqa: E402  (the cell runner both sweeps share)
 from shared.core import rules  # noqa: E402
 
 # Not run here: recipes being reworked now, whose own tests train the decoder presets.
@@ -117,25 +116,10 @@ def run_cell(cell: Cell, work: Path, timeout: int) -> dict:
                 out / "results.json"]:
         old.unlink(missing_ok=True)
     config, processes = launch_of(cell.recipe)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cell.command(out, work, probe=True), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        import psutil
-
-        # The launcher and every worker (torch's launcher starts them outside its process group).
-        for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        log, code = proc.communicate()[0], None
-    (out / "launch.log").write_text(log)
+    log, code, seconds = launch_logged(cell.command(out, work, probe=True), out, timeout)
     shown = " ".join(cell.command(Path("<out>"), Path("<work>"))).replace(sys.executable, "python")
     row = {**asdict(cell), "name": cell.name, "launch": config or "one process", "processes": processes,
-           "command": shown, "wall_s": round(time.perf_counter() - t0, 1)}
+           "command": shown, "wall_s": round(seconds, 1)}
     refused, broken = out / "refused_rank0.txt", sorted(out.glob("broken_rank*.txt"))
     recorded = out / "refusal_run_rank0.json"
     if code == 0 and (out / "results.json").exists():

@@ -154,6 +154,9 @@ _ASKS = [
     {"preset": "tiny-moe", "task": "text-classification"}, {"lone_launch": True},
     {"attention": "flash_attention_2", "on_accelerator": False}, {"async_checkpoint": True},
     {"dp_replicate_size": 3}, {"dp_replicate_size": 4}, {"parallelism_config": "tp=2"},  # HSDP; Accelerate's TP
+    {"comm_hook": "fp16", "local_sgd_steps": 4}, {"comm_hook": "bf16", "on_accelerator": False},
+    {"powersgd_typed": "--powersgd_rank"}, {"comm_hook": "power_sgd", "train_steps": 5, "powersgd_start": 10},
+    {"local_sgd_steps": 4, "checkpoints": True},
 ]
 _FACTS = [
     {"model_type": "llama", "tp_plans": ("gpt2", "bert")}, {"heads": 4, "mlp_width": 6, "tp_degree": 4},

@@ -87,7 +87,8 @@ RECIPES: dict[str, Support] = {
                                      diff_budget=47, reshards=True),
     "activation_checkpointing": Support(compiles=True, instead="recipes/combined.py --gradient_checkpointing",
                                         diff_budget=118),  # 107 with --checkpoint_every and the selective policy
-    "data_parallel": Support(compiles=True, instead=_SHARDED, plans_as="baseline", diff_budget=63, reshards=True),
+    # 112: 106 measured with --comm_hook / --local_sgd_steps (2026-12-02), 34 the loop re-indented under LocalSGD
+    "data_parallel": Support(compiles=True, instead=_SHARDED, plans_as="baseline", diff_budget=112, reshards=True),
     "optim_8bit": Support(instead="recipes/combined.py --optim adamw_bnb_8bit (ZeRO-1/2 without offload)",
                           diff_budget=55),
     # torchao's optimizers train under DDP and FSDP2 (benchmarks/compat_sweep.py); ZeRO: see the rule below.
@@ -203,6 +204,12 @@ class Run:
     shard_vocab: bool = False  # tensor parallel: the embedding and head split over the vocabulary too
     chunked_loss: bool = False  # the head's matmul and loss a chunk of tokens at a time
     async_checkpoint: bool = False  # --async_checkpoint: checkpoints written in the background
+    comm_hook: str = "no"  # data_parallel.py's DDP comm hook: no | fp16 | bf16 | power_sgd | batched_power_sgd
+    local_sgd_steps: int = 0  # LocalSGD: the parameters averaged every K steps (0: off)
+    powersgd_start: int = 0  # PowerSGD's first compressed step
+    powersgd_typed: str = ""  # the PowerSGD flags given
+    train_steps: int = 0  # --max_train_steps (0: not given)
+    checkpoints: bool = False  # --checkpointing_steps or --resume_from_checkpoint given
     model_given: bool = True  # --model_name_or_path was passed (False: the recipe's own fresh preset)
     preset: str = ""  # --model_preset when no --model_name_or_path is given ("": a given model)
     # Facts known only once the model or the Accelerator is built: check_built(...) weighs them against the same
@@ -433,6 +440,30 @@ RULES: tuple[Rule, ...] = (
                    "does so for --num_processes N without a config, for --cpu, and for `distributed_type: MULTI_CPU`",
          lambda r: "add --multi_gpu to `accelerate launch` (not --cpu: the recipe runs gloo DDP on a CPU-only "
                    "machine), or use --config_file accelerate_configs/multi_cpu.yaml (MULTI_GPU with use_cpu: true)"),
+    # Communication reduction (shared/techniques/comm_reduction.py): each would otherwise do nothing, silently.
+    Rule(lambda r: (r.comm_hook != "no" or r.local_sgd_steps > 0) and r.num_processes < 2,
+         lambda r: ("--local_sgd_steps" if r.local_sgd_steps else f"--comm_hook {r.comm_hook}") + " with one process: "
+                   "nothing is all-reduced (Accelerate wraps no DDP model, and LocalSGD turns itself off)",
+         lambda r: "launch 2 or more processes (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml), or drop the flag"),
+    Rule(lambda r: r.comm_hook != "no" and r.local_sgd_steps > 0,
+         lambda r: f"--comm_hook {r.comm_hook} with --local_sgd_steps: LocalSGD runs DDP under no_sync, so no "
+                   "gradient is all-reduced and the hook never runs",
+         lambda r: "pick one: --comm_hook to send every step's gradients compressed, or --local_sgd_steps"),
+    Rule(lambda r: bool(r.powersgd_typed) and "power_sgd" not in r.comm_hook,
+         lambda r: f"{r.powersgd_typed} tune PowerSGD, and --comm_hook {r.comm_hook} does not run it",
+         lambda r: "add --comm_hook power_sgd (or batched_power_sgd), or drop them"),
+    Rule(lambda r: r.comm_hook == "bf16" and not r.on_accelerator,  # though gloo all-reduces bf16 (tried here)
+         lambda r: "--comm_hook bf16 on a CPU-only machine: torch's DDP refuses bf16_compress_hook without CUDA "
+                   "and NCCL 2.10+ (or XPU and XCCL)",
+         lambda r: "use --comm_hook fp16 (the same 2 bytes a value) on CPU, bf16 on GPUs"),
+    Rule(lambda r: "power_sgd" in r.comm_hook and 0 < r.train_steps <= r.powersgd_start,
+         lambda r: f"--max_train_steps {r.train_steps} with --powersgd_start_iter {r.powersgd_start}: PowerSGD sends "
+                   "plain fp32 gradients before that step, so this run would never compress",
+         lambda r: f"pass --powersgd_start_iter below {r.train_steps} (at least 2; torch suggests 10% of the steps)"),
+    Rule(lambda r: r.local_sgd_steps > 0 and r.checkpoints,
+         lambda r: "--local_sgd_steps with checkpoints: each process steps its own AdamW moments between averages, "
+                   "and a checkpoint keeps process 0's, so a resumed run would not continue the saved one",
+         lambda r: "drop --checkpointing_steps / --resume_from_checkpoint, or use --comm_hook (replicas always equal)"),
     Rule(lambda r: r.attention.startswith("flash_attention") and not r.on_accelerator,
          lambda r: f"--attn_implementation {r.attention} runs on CUDA GPUs only, and this machine has none",
          lambda r: "pass --attn_implementation sdpa (or eager), or leave it unset"),
