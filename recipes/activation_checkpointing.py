@@ -14,14 +14,13 @@ shared/techniques/probes.py's checkpointing_probe.
     accelerate launch recipes/activation_checkpointing.py --checkpoint_every 2 --checkpointing_policy selective
 """
 
-import functools
 import sys
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
@@ -38,6 +37,7 @@ from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.tasks import load_task
 from shared.techniques.probes import checkpointing_probe
+from shared.techniques.selective_checkpointing import checkpoint_kwargs
 
 RECIPE = "activation_checkpointing"
 
@@ -54,33 +54,20 @@ def add_args(p):
                    help="Skip the with/without comparison step (its buffers would raise this run's peak memory).")
 
 
-# Op-level selection: the outputs of these ops (most of the FLOPs) are kept from forward; everything else in a
-# checkpointed block (LayerNorm, GELU, dropout, residual adds, reshapes: cheap, memory-bound) is recomputed.
-aten = torch.ops.aten
-SAVED_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
-             aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_flash_attention.default,
-             aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default}
-
-
-def keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 class CheckpointedBlock(nn.Module):
     """Runs `block` under torch.utils.checkpoint: in backward its activations are recomputed, not read back."""
 
     def __init__(self, block: nn.Module, policy: str = "full"):
         super().__init__()
         self.block = block
-        # selective: the ops keep_matmuls names are saved in forward, the rest recomputed; full: all recomputed
-        self.context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, keep_matmuls)
-                        } if policy == "selective" else {}
+        # selective: the matmul and attention outputs saved in forward, the rest recomputed; full: all recomputed
+        self.context = checkpoint_kwargs(policy)
 
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
             return self.block(*args, **kwargs)
-        # Non-reentrant: supports keyword arguments and inputs that do not require grad, and nests safely.
-        return checkpoint(self.block, *args, use_reentrant=False, **self.context, **kwargs)
+        # Non-reentrant (checkpoint_kwargs): keyword arguments, inputs without grad, nesting.
+        return checkpoint(self.block, *args, **self.context, **kwargs)
 
 
 def enable_checkpointing(model: nn.Module, impl: str, every: int = 1, policy: str = "full") -> None:

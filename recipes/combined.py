@@ -1,6 +1,7 @@
-"""Techniques combined: sharding, offload and precision come from the launch config; activation checkpointing,
-an 8-bit optimizer, LoRA and int8 / 4-bit (NF4) base weights from flags. Which combinations train, and which are
-refused before training (with why), is measured by benchmarks/compat_sweep.py: docs/results/compat.md.
+"""Techniques combined: sharding, offload and precision come from the launch config; activation checkpointing
+(full or selective), the chunked loss, an 8-bit or 4-bit optimizer stepped after or in backward, LoRA and int8 /
+4-bit (NF4) base weights from flags; benchmarks/ladder.py stacks them one by one (docs/ladder.md). Which
+combinations train, and which are refused before training (why): benchmarks/compat_sweep.py, docs/results/compat.md.
 
     accelerate launch --config_file accelerate_configs/zero3.yaml recipes/combined.py --task causal-lm \
         --lora --gradient_checkpointing --mixed_precision bf16
@@ -10,6 +11,8 @@ refused before training (with why), is measured by benchmarks/compat_sweep.py: d
 Each technique on its own, explained: recipes/activation_checkpointing.py, optim_8bit.py, qlora.py, zero.py, fsdp.py.
 """
 
+import contextlib
+import functools
 import sys
 from pathlib import Path
 
@@ -40,6 +43,9 @@ from shared.techniques.deepspeed_setup import (
     patch_zero_step_to_count_states,
     schedule_the_optimizer_that_steps,
 )
+from shared.techniques.optim_in_backward import OptimizerInBackward
+from shared.techniques.optim_low_bit import compile_each_shard_apart
+from shared.techniques.probes import forward_kept_bytes
 from shared.techniques.quant import (
     COMPUTE_DTYPES,
     check_linear_only,
@@ -48,14 +54,22 @@ from shared.techniques.quant import (
     no_cpu_4bit_repacking,
     quantized_weight_bytes,
 )
+from shared.techniques.selective_checkpointing import checkpoint_kwargs
 
 RECIPE = "combined"
 
 
 def add_args(p):
     p.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations in backward.")
-    p.add_argument("--optim", default="adamw", **one_of("adamw", "adamw_bnb_8bit"),
-                   help="adamw_bnb_8bit: bitsandbytes' AdamW8bit (moments in 8 bits).")
+    p.add_argument("--checkpointing_policy", default="full", choices=("full", "selective"),
+                   help="With --gradient_checkpointing. selective: keep the matmul and attention outputs too, "
+                        "recompute only the cheap ops (recipes/activation_checkpointing.py).")
+    p.add_argument("--optim", default="adamw", **one_of("adamw", "adamw_bnb_8bit", "adamw_torchao_4bit"),
+                   help="adamw_bnb_8bit: bitsandbytes' AdamW8bit; adamw_torchao_4bit: torchao's AdamW4bit.")
+    p.add_argument("--optimizer_in_backward", action="store_true",
+                   help="Step each parameter in its gradient hook and free the gradient (optimizer_in_backward.py).")
+    p.add_argument("--measure_activations", action="store_true",
+                   help="Count the bytes the first forward leaves alive for backward (results: activation_bytes).")
     p.add_argument("--lora", action="store_true", help="Train LoRA adapters (PEFT) on a frozen base model.")
     p.add_argument("--use_dora", action="store_true", help="With --lora: DoRA adapters (PEFT use_dora).")
     p.add_argument("--lora_r", type=COUNT, default=8)
@@ -83,10 +97,12 @@ def main(argv=None) -> dict:
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(
         args, RECIPE, deepspeed_config=ds_config, load_in=args.load_in, quant_storage=args.bnb_4bit_quant_storage,
-        lora=args.lora, dora=args.use_dora, optimizer=args.optim,
+        lora=args.lora, dora=args.use_dora, optimizer=args.optim, in_backward=args.optimizer_in_backward,
+        checkpointing=args.gradient_checkpointing, checkpoint_policy=args.checkpointing_policy,
         chunked_loss=args.chunked_loss, task=args.task,  # only a causal LM has vocabulary logits to chunk
         flags={"load_in": f"--load_in {args.load_in}", "quant_storage": "--bnb_4bit_quant_storage",
-               "lora": "--lora", "dora": "--use_dora", "optimizer": f"--optim {args.optim}"})
+               "lora": "--lora", "dora": "--use_dora", "optimizer": f"--optim {args.optim}",
+               "in_backward": "--optimizer_in_backward"})
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,
@@ -128,9 +144,10 @@ def main(argv=None) -> dict:
         no_cpu_4bit_repacking(task.model)  # its in-place CPU repacking breaks training (shared/techniques/quant.py)
         task.model = prepare_model_for_kbit_training(
             task.model, use_gradient_checkpointing=args.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+            gradient_checkpointing_kwargs=checkpoint_kwargs(args.checkpointing_policy))
     elif args.gradient_checkpointing:
-        task.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        task.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(
+            args.checkpointing_policy))
     if args.lora:
         task.model = get_peft_model(task.model, LoraConfig(
             r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear", use_dora=args.use_dora,
@@ -142,7 +159,16 @@ def main(argv=None) -> dict:
         import bitsandbytes as bnb
 
         optim_cls = bnb.optim.AdamW8bit
+    elif args.optim == "adamw_torchao_4bit":
+        from torchao.optim import AdamW4bit as optim_cls
+
+        if launch.run.sharding == "fsdp":  # its compiled step on FSDP2's uneven shards (techniques/optim_low_bit.py)
+            compile_each_shard_apart()
+    if args.optimizer_in_backward:  # one optimizer per parameter, stepped by its gradient hook, which frees it
+        optim_cls = functools.partial(OptimizerInBackward, optimizer_cls=optim_cls)
     optimizer, scheduler = optimizer_and_scheduler(launch, task.model, max_steps, optimizer_cls=optim_cls)
+    for param in optimizer.params if args.optimizer_in_backward else ():
+        param.register_post_accumulate_grad_hook(optimizer.step_param)
 
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
@@ -172,15 +198,19 @@ def main(argv=None) -> dict:
         # Normalize by the items (target tokens or samples) of the global batch: gradients are averaged over
         # processes, and each process's own mean would weigh a token differently from one big batch.
         num_items = accelerator.reduce(task.count_items(batch), "sum") / accelerator.num_processes
-        if chunked is not None:  # its head runs outside the model's forward, where prepare's autocast does not reach
-            with accelerator.autocast():
-                loss = chunked(model, batch, num_items)
-        else:
-            loss = task.loss(model, batch, num_items)
+        measure = args.measure_activations and step == start_step  # the bytes forward keeps for backward
+        with forward_kept_bytes(model, batch) if measure else contextlib.nullcontext() as kept:
+            if chunked is not None:  # its head runs outside the model's forward, where prepare's autocast is not
+                with accelerator.autocast():
+                    loss = chunked(model, batch, num_items)
+            else:
+                loss = task.loss(model, batch, num_items)
+        meter.extras.update({"activation_bytes": kept["bytes"]} if measure else {})
         accelerator.backward(loss)  # under DeepSpeed also clips (gradient_clipping) and steps the optimizer
         if launch.max_grad_norm:
             accelerator.clip_grad_norm_(model.parameters(), launch.max_grad_norm)
-        optimizer.step()
+        if not args.optimizer_in_backward:  # else each parameter stepped in backward
+            optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
         guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
@@ -190,6 +220,8 @@ def main(argv=None) -> dict:
     extras = {"sharding": sharding_of(accelerator), "offload": offload_of(accelerator), "lora": args.lora,
               "use_dora": args.use_dora, "chunked_loss": args.chunked_loss,
               "gradient_checkpointing": args.gradient_checkpointing, "load_in": args.load_in,
+              "checkpointing_policy": args.checkpointing_policy, "optimizer_in_backward": args.optimizer_in_backward,
+              **(optimizer.optimizer.grad_bytes_report() if args.optimizer_in_backward else {}),
               **quantized_weight_bytes(model),  # ZeRO-3 numels live in ds_numel: its parameters are partitioned
               "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad),
               "total_params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())}

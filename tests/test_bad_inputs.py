@@ -294,6 +294,13 @@ CASES = [
                                                                  "Drop --optim adamw_bnb_8bit"],
          recipe="combined", env={"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
                                  "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}),
+    Case("selective-without-checkpointing", "a selective checkpointing policy with checkpointing off",
+         ["--checkpointing_policy", "selective"], ["--gradient_checkpointing is off", "Add --gradient_checkpointing"],
+         recipe="combined", fix=["--checkpointing_policy", "selective", "--gradient_checkpointing"]),
+    Case("optimizer-in-backward-under-ddp", "the optimizer step in backward under DDP (it would step before the "
+         "gradients are averaged)", ["--optimizer_in_backward", "--max_grad_norm", "0"],
+         ["before the processes' gradients are averaged", "Launch one process"], recipe="combined",
+         env={"WORLD_SIZE": "2"}),
     Case("nvme-offload-under-zero2", "NVMe optimizer offload under ZeRO-2 (DeepSpeed would keep it in CPU memory)",
          [], ["to nvme under ZeRO stage 2", "Use ZeRO-3 for NVMe offload"], recipe="zero",
          setup=lambda t: ["--nvme_path", t / "nvme", "--deepspeed_config", _ds_json(t, zero_optimization={

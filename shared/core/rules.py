@@ -136,7 +136,7 @@ RECIPES: dict[str, Support] = {
                     "(hsdp.yaml: HSDP)", async_checkpoint=True, reshards=True,  # SHARDED_STATE_DICT: DCP reshards
                     diff_budget=73),  # +15: --dp_replicate_size / --dp_shard_size (HSDP); +3: --async_checkpoint
     "qlora": Support(shardings=SHARDINGS, diff_budget=168),  # +4: its checkpoints keep the adapters (2026-12-01)
-    "combined": Support(shardings=SHARDINGS, diff_budget=150),  # planned: shared/tools/plan.py COMBINED
+    "combined": Support(shardings=SHARDINGS, diff_budget=194),  # planned: shared/tools/plan.py COMBINED
     # The head module's own hooks gather it (tests/test_chunked_loss.py).
     "chunked_loss": Support(shardings=SHARDINGS, diff_budget=63),
     # One process only (sharding "none" is never launched with more), found by running DDP over gloo with the hooks:
@@ -182,6 +182,7 @@ class Run:
     # an --optim name (shared/core/args.py OPTIMIZERS: adamw, adamw_bnb_8bit, adamw_torchao_8bit / 4bit / fp8), or
     # adamw_in_backward (torch AdamW, each parameter stepped in its gradient hook)
     optimizer: str = "adamw"
+    in_backward: bool = False  # recipes/combined.py --optimizer_in_backward: the --optim stepped in gradient hooks
     max_grad_norm: float = 0.0  # global-norm clipping (0: none)
     spread_devices: bool = False  # one model over several devices (device_map="auto")
     merge_unsaved: bool = False  # merge an adapter that is not saved
@@ -201,6 +202,7 @@ class Run:
     checkpoint_impl: str = ""  # --checkpointing_impl as asked: hf | torch ("": unset, the recipe picks)
     checkpoint_every: int = 0  # checkpoint every k-th block (0: not checked)
     checkpoint_policy: str = ""  # full | selective ("": not checked)
+    checkpointing: bool | None = None  # a flag turns activation checkpointing on (None: the recipe always does)
     shard_vocab: bool = False  # tensor parallel: the embedding and head split over the vocabulary too
     chunked_loss: bool = False  # the head's matmul and loss a chunk of tokens at a time
     async_checkpoint: bool = False  # --async_checkpoint: checkpoints written in the background
@@ -273,7 +275,7 @@ def _kind(sharding: str) -> str:
 
 
 def _in_backward(run: Run) -> bool:
-    return run.optimizer == "adamw_in_backward"
+    return run.optimizer == "adamw_in_backward" or run.in_backward
 
 
 def _processes(n: int) -> str:
@@ -367,6 +369,14 @@ RULES: tuple[Rule, ...] = (
                    "them all for inf/NaN before any parameter steps, and here each parameter steps inside backward "
                    "with its still-scaled gradient",
          lambda r: "use --mixed_precision bf16 (no loss scaling) or no"),
+    Rule(lambda r: r.in_backward and r.sharding != "none",
+         lambda r: f"{r.flag('in_backward')} under {_launch_words(r)}: each parameter would step in its gradient hook "
+                   "before the processes' gradients are averaged (DDP) or partitioned (ZeRO, FSDP)",
+         lambda r: f"launch one process, or drop {r.flag('in_backward')} (ZeRO-2 shards the gradients instead)"),
+    Rule(lambda r: r.checkpoint_policy == "selective" and r.checkpointing is False,
+         lambda r: "--checkpointing_policy selective chooses what checkpointing keeps, and --gradient_checkpointing "
+                   "is off",
+         lambda r: "add --gradient_checkpointing, or drop --checkpointing_policy"),
     Rule(lambda r: r.load_in != "full" and not r.lora,
          lambda r: f"{r.flag('load_in')}: quantized base weights are frozen and cannot train",
          lambda r: f"add {r.flag('lora')} (adapters train on top of them), or load full weights"),

@@ -1396,6 +1396,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="One row in full (NAME or NAME:PRECISION as listed): its bytes, every rule it breaks with the "
                         "rule's fix, its command.")
     p.add_argument("--list_models", action="store_true", help="Print the built-in hub ids and stop.")
+    p.add_argument("--ladder", action="store_true",
+                   help="The technique ladder: one technique added per rung (bf16, packing, chunked loss, "
+                        "checkpointing, low-bit AdamW, step in backward, LoRA, QLoRA, ZeRO), bytes per device.")
     return p
 
 
@@ -1416,6 +1419,11 @@ def main(argv: list[str] | None = None) -> list[tuple[Prediction, list[str]]]:
     config, args.task, source = load_config(args.model_name_or_path, args.model_preset, args.task, args.vocab_size,
                                             args.num_labels, args.trust_remote_code)
     spec = model_spec(config, args.task, source, args.disable_dropout)
+    if args.ladder:  # shared/tools/ladder.py: the rungs of benchmarks/ladder.py, for this model and GPU
+        from .ladder import print_ladder
+
+        print_ladder(spec, args)
+        return []
     rows = plan(spec, args)
     if args.explain:
         explain(rows, args.explain, args, spec)

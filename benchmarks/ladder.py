@@ -1,0 +1,391 @@
+"""The technique ladder, measured: techniques added one per rung, in the order a user would add them until a model
+fits, each rung the one before plus one recipes/combined.py flag (shared/tools/ladder.py RUNGS), on the same model,
+data and steps; per rung the bytes of parameters, gradients, optimizer state and activations on live tensors, the
+peak, the step time and the loss, beside the planner's prediction.
+
+    python benchmarks/ladder.py                       # GPT-2 124M and tiny-llama, every rung, 2 interleaved repeats
+    python benchmarks/ladder.py --presets tiny-llama --repeats 1 --steps 3
+
+Writes docs/ladder.md, docs/results/ladder.json and docs/results/ladder.png (or --output_dir). One-process rungs
+are forked from this process once it has imported the stack (benchmarks/matrix.py: the same runtime a fresh
+`accelerate launch` has, its peak RSS measured alone); the ZeRO rungs go through `accelerate launch`, 2 processes.
+Step time: the median of the interleaved repeats (repeat 1 runs every rung, then repeat 2 ...), with the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from matrix import machine  # noqa: E402 - also imports the stack once, before any fork
+
+from shared.core import rules  # noqa: E402
+from shared.tools.ladder import (  # noqa: E402
+    OFFLOAD_FLAG,
+    OFFLOAD_PENDING,
+    RUNGS,
+    Rung,
+    argv,
+    predict_rung,
+    run_of,
+    stacked,
+)
+from shared.tools.plan import CPU_RUNTIME_BYTES, load_config, model_spec  # noqa: E402
+
+COMBINED = ROOT / "recipes" / "combined.py"
+MODELS = {"base": "GPT-2 124M", "tiny-llama": "tiny-llama"}
+PARTS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes")
+REFUSED = "Refused before training: "
+
+
+def offload_ready() -> bool:
+    """recipes/combined.py has the activation-offloading flag (written beside this ladder, issue 25)."""
+    return OFFLOAD_FLAG in COMBINED.read_text()
+
+
+def _fork_run(args: list[str], log: Path, threads: int) -> bool:
+    pid = os.fork()
+    if pid == 0:  # child: combined.py's main() as `python recipes/combined.py` would run it
+        code = 1
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            import importlib.util
+
+            import torch
+
+            torch.set_num_threads(threads)
+            spec = importlib.util.spec_from_file_location("recipe_combined", COMBINED)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            module.main(args)
+            code = 0
+        except SystemExit as e:  # a refusal: its message is the log's last line
+            print(e, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - the parent reports it
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+def run_rung(rung: Rung, preset: str, out: Path, steps: int, batch: int, seq: int, threads: int) -> dict:
+    """One run of a rung: results.json's fields, or {"refused": why} / {"failed": the error}, and its wall time."""
+    flags = stacked(rung.name, offload_ready())
+    refused = rules.refusals(run_of(flags, rung.config))
+    if refused:  # what combined.py would say before loading anything: not launched (2 processes take a minute)
+        return {"refused": " ".join(refused).removeprefix(REFUSED), "wall_s": 0.0}
+    if rung.name == "act_offload" and not offload_ready():  # would rerun the rung before
+        return {"pending": OFFLOAD_PENDING, "wall_s": 0.0}
+    args = [*argv(flags), "--model_preset", preset, "--max_train_steps", str(steps), "--max_seq_length", str(seq),
+            "--per_device_train_batch_size", str(batch), "--disable_dropout", "--measure_activations",
+            "--logging_steps", "1", "--report_to", "none", "--no_save_model", "--max_eval_samples", "8",
+            "--seed", "0", "--output_dir", str(out), "--overwrite_output_dir"]
+    out.mkdir(parents=True, exist_ok=True)
+    log = out.parent / f"{out.name}.log"
+    t0 = time.perf_counter()
+    if rung.config is None:
+        ok = _fork_run(args, log, threads)
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "accelerate_configs" / rung.config), "--num_processes", "2", str(COMBINED), *args]
+        with open(log, "w") as fh:
+            ok = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env={
+                **os.environ, "OMP_NUM_THREADS": str(max(1, threads // 2))}).returncode == 0
+    wall = time.perf_counter() - t0
+    text = log.read_text() if log.exists() else ""
+    if ok and (out / "results.json").exists():
+        return {**json.loads((out / "results.json").read_text()), "wall_s": wall}
+    if REFUSED in text:
+        return {"refused": text[text.index(REFUSED) + len(REFUSED):].strip().splitlines()[0], "wall_s": wall}
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return {"failed": lines[-1] if lines else "failed", "wall_s": wall}
+
+
+def measured(r: dict) -> dict:
+    """A run's figures in the ladder's words (rank 0 of the ZeRO runs)."""
+    if "refused" in r or "failed" in r or "pending" in r:
+        return {k: r[k] for k in ("refused", "failed", "pending") if k in r}
+    grads = r["peak_grad_bytes"] if r.get("optimizer_in_backward") else r["grad_bytes"][0]  # freed in its hook
+    tokens_per_step = r["train_tokens_per_second"] * r["seconds_per_step"] / (2 if r.get("sharding", "none")
+                                                                            .startswith("zero") else 1)
+    return {"param_bytes": r["param_bytes"][0], "grad_bytes": grads,
+            "optimizer_state_bytes": r["optimizer_state_bytes"][0],
+            "activation_bytes": r.get("activation_bytes"), "peak_memory_bytes": r["peak_memory_bytes"][0],
+            "train_loss": r["train_loss"], "tokens_per_step": tokens_per_step, "compute_dtype": r.get("compute_dtype"),
+            "optimizer_class": r.get("optimizer_class"), "trainable_params": r.get("trainable_params"),
+            "padding_fraction": r.get("padding_fraction")}
+
+
+def ladder(preset: str, rungs: tuple[Rung, ...], out: Path, steps: int, batch: int, seq: int, repeats: int,
+           threads: int) -> list[dict]:
+    """Every rung `repeats` times, interleaved; the first repeat's bytes, the step time's median and spread."""
+    runs: dict[str, list[dict]] = {r.name: [] for r in rungs}
+    for rep in range(repeats):
+        for rung in rungs:
+            r = run_rung(rung, preset, out / preset / f"{rung.name}-{rep}", steps, batch, seq, threads)
+            runs[rung.name].append(r)
+            status = r.get("refused") or r.get("failed") or r.get("pending") or f"{r['seconds_per_step']:.3f} s/step"
+            print(f"[{preset} repeat {rep + 1}/{repeats}] {rung.name}: {status[:160]} ({r['wall_s']:.0f} s)",
+                  flush=True)
+    config, task, _ = load_config(None, preset, "causal-lm", None, None)
+    spec = model_spec(config, task, f"preset:{preset}", disable_dropout=True)
+    rows = []
+    for rung in rungs:
+        first = runs[rung.name][0]
+        row = {"rung": rung.name, "adds": rung.adds, "config": rung.config, "processes": 2 if rung.config else 1,
+               "flags": argv(stacked(rung.name, offload_ready())), **measured(first),
+               "wall_s": sum(r["wall_s"] for r in runs[rung.name])}
+        times = [r["seconds_per_step"] for r in runs[rung.name] if "seconds_per_step" in r]
+        if times:
+            med = statistics.median(times)
+            row.update(seconds_per_step=med, step_time_spread=(max(times) - min(times)) / med, repeats=len(times))
+        p = predict_rung(spec, stacked(rung.name, offload_ready()), rung.config, batch, seq, kernels="cpu")
+        row["predicted"] = {"param_bytes": p.weights, "grad_bytes": p.grads, "optimizer_state_bytes": p.optimizer,
+                            "activation_bytes": p.activations, "peak_memory_bytes": p.device_peak + CPU_RUNTIME_BYTES}
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------- the report
+
+
+def _mib(v: float | None) -> str:
+    return "" if v is None else f"{v / 2**20:,.1f}"
+
+
+def _status(row: dict) -> str:
+    if "refused" in row:
+        return "refused: " + re.sub(r"\s+", " ", row["refused"])
+    if "failed" in row:
+        return "failed: " + row["failed"][:200]
+    return row.get("pending", "")
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| rung | adds | params | grads | optimizer | activations | peak RSS | s/step (spread) | tokens/step | "
+             "loss | vs rung before | planned states / activations |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    prev = None
+    for row in rows:
+        if "param_bytes" not in row:
+            lines.append(f"| {row['rung']} | {row['adds']} | {_status(row)} |||||||||| |")
+            continue
+        p = row["predicted"]
+        states = sum(row[k] for k in PARTS[:3])
+        planned = sum(p[k] for k in PARTS[:3])
+        delta = "" if prev is None else f"{row['train_loss'] - prev:+.4f}"
+        speed = (f"{row['seconds_per_step']:.3f} (±{row['step_time_spread'] / 2:.0%})"
+                 if "seconds_per_step" in row else "")
+        lines.append(
+            f"| {row['rung']} | {row['adds']}{' (' + row['pending'] + ')' if row.get('pending') else ''} | "
+            f"{_mib(row['param_bytes'])} | {_mib(row['grad_bytes'])} | {_mib(row['optimizer_state_bytes'])} | "
+            f"{_mib(row['activation_bytes'])} | {_mib(row['peak_memory_bytes'])} | {speed} | "
+            f"{row['tokens_per_step']:,.0f} | {row['train_loss']:.4f} | {delta} | "
+            f"{_mib(planned)} ({states / planned - 1:+.1%}) / {_mib(p['activation_bytes'])} |")
+        if row["processes"] == 1:
+            prev = row["train_loss"]
+    return lines
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = list(results["models"])
+    fig, axes = plt.subplots(len(presets), 2, figsize=(15, 4.6 * len(presets)), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 1.3]})
+    colors = {"param_bytes": "#4c72b0", "grad_bytes": "#dd8452", "optimizer_state_bytes": "#55a868",
+              "activation_bytes": "#c44e52", "other": "#d0d0d0"}
+    names = {"param_bytes": "params", "grad_bytes": "grads", "optimizer_state_bytes": "optimizer state",
+             "activation_bytes": "activations saved for backward", "other": "runtime + other (to peak RSS)"}
+    for (ax, tax), preset in zip(axes, presets, strict=True):
+        rows = results["models"][preset]["rungs"]
+        xs = range(len(rows))
+        top = max((r.get("peak_memory_bytes", 0) for r in rows), default=1) / 2**20
+        for i, row in enumerate(rows):
+            if "param_bytes" not in row:
+                label = "refused" if "refused" in row else "failed" if "failed" in row else "pending"
+                ax.bar(i, top * 0.98, color="white", edgecolor="#999999", hatch="//")
+                ax.text(i, top * 0.5, label, rotation=90, ha="center", va="center", fontsize=9)
+                continue
+            bottom = 0.0
+            for k in PARTS:
+                v = (row[k] or 0) / 2**20
+                ax.bar(i, v, bottom=bottom, color=colors[k], label=names[k] if i == 0 else None)
+                bottom += v
+            other = max(0.0, row["peak_memory_bytes"] / 2**20 - bottom)
+            ax.bar(i, other, bottom=bottom, color=colors["other"], label=names["other"] if i == 0 else None)
+            if row.get("pending"):
+                ax.text(i, bottom + other, "offload\npending", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(list(xs), [r["rung"] for r in rows], rotation=45, ha="right")
+        ax.set_ylabel("MiB (rank 0 for ZeRO)")
+        ax.set_title(f"{MODELS.get(preset, preset)}: each rung adds one technique to the one before")
+        ax.legend(fontsize=8, loc="upper right")
+        secs = [r.get("seconds_per_step", 0) for r in rows]
+        tax.barh(list(xs), secs, color=["#8172b2" if s else "#ffffff" for s in secs])
+        for i, r in enumerate(rows):
+            if "spread" in r or "step_time_spread" in r:
+                tax.text(r["seconds_per_step"], i, f" {r['seconds_per_step']:.2f}", va="center", fontsize=7)
+        tax.set_yticks(list(xs), [r["rung"] for r in rows], fontsize=8)
+        tax.invert_yaxis()
+        tax.set_xlabel("seconds per step (median of repeats)")
+        tax.set_title("step time")
+    fig.suptitle(f"Technique ladder, measured on {results['machine']['cores']} CPU cores (shared), "
+                 f"batch {results['batch']} x {results['seq']} tokens", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_doc(results: dict, path: Path, planner_text: str) -> None:
+    m = results["machine"]
+    lines = [
+        "# The technique ladder",
+        "",
+        "\"I add techniques one by one until it fits: what does each buy and cost, on my model?\" Each rung below "
+        "is the rung before plus one `recipes/combined.py` flag (the flags of every rung: "
+        "`shared/tools/ladder.py` RUNGS, and `flags` in docs/results/ladder.json), on the same model, data (the "
+        "built-in causal-LM text), seed and steps. Measured by `python benchmarks/ladder.py` "
+        f"({results['wall_s'] / 60:.1f} min wall time on this machine, shared with six other jobs while it ran).",
+        "",
+        "![ladder](results/ladder.png)",
+        "",
+        f"Machine: {m['cores']} CPU cores ({m['cpu']}), no GPU, torch {m['torch']} CPU, gloo, transformers "
+        f"{m['transformers']}, accelerate {m['accelerate']}; {m['date']}. Batch {results['batch']} x "
+        f"{results['seq']} tokens, the steps below (the first is warm-up, not timed), no dropout, no "
+        "clipping (the optimizer step in backward cannot clip), learning rate 1e-3. One-process rungs: "
+        f"{results['threads']} threads; ZeRO rungs: 2 processes of {max(1, results['threads'] // 2)} thread.",
+        "",
+        "How to read it:",
+        "- params, grads, optimizer: bytes on live tensors after the first optimizer step (shared/core/measure.py; "
+        "ZeRO: rank 0's partition; the optimizer step in backward: the most gradient bytes alive in any hook). "
+        "activations: the bytes the first forward (and the loss) leaves alive for backward, counted on the op "
+        "outputs (`--measure_activations`, shared/techniques/probes.py `forward_kept_bytes`: autograd's saved "
+        "tensors, checkpoint inputs, selective checkpointing's cache; autocast's bf16 weight copies included). "
+        "peak RSS: the process's high-water mark (VmHWM), the Python runtime included, so on the tiny model it is "
+        "mostly runtime.",
+        "- s/step: the median over interleaved repeats of each run's mean step time, ± half the spread (max - min) "
+        "as a share of the median. The machine was shared: read ratios between neighbouring rungs, not the "
+        "absolute seconds; CPU timings do not transfer to a GPU (bf16 is slower than fp32 on this CPU, where a "
+        "GPU's tensor cores make it about 2x faster).",
+        "- loss: the last step's loss; vs rung before: its change against the one-process rung above. Packing "
+        "changes what a step trains on (more real tokens per step), so its loss is not the rung before's.",
+        "- planned: shared/tools/plan.py's model-state bytes (params + grads + optimizer) for the same run, and its "
+        "difference from the measured ones, and its activation bytes (CPU kernels). tests/test_ladder.py holds "
+        "the tiny model's planned model states within 5% of the measured ones at every one-process rung. On the ZeRO "
+        "rungs the planner's bf16 gradients include an fp32 gradient partition (as DeepSpeed's own estimator counts "
+        "it) that rank 0 does not hold after the step here: those rows are over by the difference. Its activations "
+        "include, under checkpointing, the block recomputed in backward (not alive after forward, so not measured), "
+        "and assume full-length sequences where the unpacked rungs pad only to the longest in the batch.",
+        "",
+    ]
+    for preset, block in results["models"].items():
+        lines += [f"## {MODELS.get(preset, preset)} (`--model_preset {preset}`, "
+                  f"{block['num_params'] / 1e6:,.1f}M parameters)", "",
+                  f"{block['steps']} steps, {block['repeats']} interleaved repeat(s), "
+                  f"{block['wall_s'] / 60:.1f} min wall time.", "", *table(block["rungs"]), ""]
+    for preset in MODELS:
+        if preset not in results["models"]:
+            lines += [f"## {MODELS[preset]} (`--model_preset {preset}`): not measured yet", "",
+                      "The shared machine ran one model's ladder in the time this run had (about 1 to 4 minutes a "
+                      "rung under the load of six other jobs). Measure it, keeping the rows above: "
+                      f"`python benchmarks/ladder.py --presets {preset} --keep_other_models`. The planner's ladder "
+                      "for GPT-2 124M on one 80 GB GPU is at the end of this page.", ""]
+    lines += [
+        "## What cannot stack, and where it runs",
+        "",
+        "- Activation offloading (rung `act_offload`) is `recipes/combined.py --activation_offloading checkpointed`; "
+        "until that flag is in this checkout the rung shows " f"\"{OFFLOAD_PENDING}\" and the rungs above it run "
+        "without it.",
+        "- The sharding rungs (2 processes) stack on `full_ckpt`, the last rung DeepSpeed can run: on the whole "
+        "stack ZeRO is refused by shared/core/rules.py (`zero2_stack`: torchao's optimizer under ZeRO; the "
+        "optimizer step in backward is refused under any sharding too), since DeepSpeed keeps its own fp32 "
+        "AdamW partitions.",
+        "- Techniques the ladder does not stack in one run, each by its own recipe: FSDP2 (recipes/fsdp.py, or "
+        "combined.py under accelerate_configs/fsdp.yaml), FP8 (recipes/fp8.py), tensor and sequence parallel "
+        "(recipes/tensor_parallel.py, sequence_parallel.py), torch.compile (recipes/baseline.py and the others "
+        "that compile: combined.py does not).",
+        "",
+        "## The same ladder for your model and GPU",
+        "",
+        "The planner prints the ladder for any model it knows (offline configs: `--list_models`) at your sequence "
+        "length and batch:",
+        "",
+        "```",
+        planner_text.strip(),
+        "```",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def main(argv_: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", nargs="+", default=["tiny-llama", "base"])
+    ap.add_argument("--rungs", nargs="+", default=None, help="Rung names (default: all).")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)))
+    ap.add_argument("--output_dir", default=str(ROOT / "docs"))
+    ap.add_argument("--work_dir", default="/tmp/ladder-runs")
+    ap.add_argument("--keep_other_models", action="store_true",
+                    help="Keep the rows of models not in --presets from the existing ladder.json.")
+    a = ap.parse_args(argv_)
+    rungs = tuple(r for r in RUNGS if a.rungs is None or r.name in a.rungs)
+    results = {"machine": machine(), "steps": a.steps, "batch": a.batch, "seq": a.seq, "repeats": a.repeats,
+               "threads": a.threads, "models": {}}
+    out = Path(a.output_dir)
+    old = out / "results" / "ladder.json"
+    if a.keep_other_models and old.exists():  # the other models' rows as recorded (e.g. another --repeats)
+        results["models"] = {k: v for k, v in json.loads(old.read_text())["models"].items() if k not in a.presets}
+    for preset in a.presets:  # the report is rewritten after each model: a stopped run keeps the models done
+        config, task, _ = load_config(None, preset, "causal-lm", None, None)
+        spec = model_spec(config, task, f"preset:{preset}")
+        t_model = time.perf_counter()
+        rows = ladder(preset, rungs, Path(a.work_dir), a.steps, a.batch, a.seq, a.repeats, a.threads)
+        results["models"][preset] = {"num_params": spec.num_params, "rungs": rows, "repeats": a.repeats,
+                                     "steps": a.steps, "wall_s": time.perf_counter() - t_model}
+        results["wall_s"] = sum(b.get("wall_s", 0) for b in results["models"].values())
+        report(results, out)
+    return results
+
+
+def report(results: dict, out: Path) -> None:
+    (out / "results").mkdir(parents=True, exist_ok=True)
+    (out / "results" / "ladder.json").write_text(json.dumps(results, indent=1))
+    plot(results, out / "results" / "ladder.png")
+    text = ""
+    for model, seq, batch in (("gpt2", 1024, 8), ("meta-llama/Llama-3.2-3B", 2048, 4)):
+        cmd = ["-m", "shared.tools.plan", "--ladder", "--model_name_or_path", model, "--gpu_memory", "80GB",
+               "--seq_len", str(seq), "--per_device_batch_size", str(batch)]
+        planner = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True).stdout
+        text += f"$ python {' '.join(cmd)}\n{planner}\n"
+    write_doc(results, out / "ladder.md", text)
+    print(f"wrote {out / 'ladder.md'}, {out / 'results' / 'ladder.json'}, {out / 'results' / 'ladder.png'} "
+          f"({results['wall_s'] / 60:.1f} min)")
+
+
+if __name__ == "__main__":
+    main()
