@@ -150,6 +150,8 @@ _ASKS = [
     {"model_given": False}, {"preset": "tiny-llama", "task": "image-classification"},
     {"preset": "tiny-moe", "task": "text-classification"}, {"lone_launch": True},
     {"attention": "flash_attention_2", "on_accelerator": False},
+    {"activation_offload": "all"}, {"activation_offload": "checkpointed", "checkpointing": False},
+    {"activation_offload": "all", "activation_offload_to": "disk", "activation_offload_dir": True},
 ]
 _FACTS = [
     {"model_type": "llama", "tp_plans": ("gpt2", "bert")}, {"heads": 4, "mlp_width": 6, "tp_degree": 4},
