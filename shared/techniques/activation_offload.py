@@ -107,6 +107,8 @@ class ActivationOffloader:
                              "writes one file per checkpointed block input, not one per saved tensor")
         self.model, self.mode, self.min_bytes, self.to = model, mode, min_bytes, to
         self.ledger = Ledger()
+        if to == "disk":
+            os.makedirs(disk_dir, exist_ok=True)
         self.dir = tempfile.mkdtemp(prefix="activations-", dir=disk_dir) if to == "disk" else None
         self.cuda = torch.cuda.is_available()
         self.stream = torch.cuda.Stream() if self.cuda else None
