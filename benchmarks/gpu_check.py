@@ -10,7 +10,10 @@
    --torch_compile (regional, and full for GPT-2); goal on an H100 / H200: >= 40% for GPT-2 bf16 with compile;
 3. FP8 (recipes/fp8.py, torchao Float8Linear) against bf16 on the same GPT-2 run: the speed ratio;
 4. fp16 with CUDA's GradScaler (recipes/mixed_precision.py): finite loss, the scale and skipped steps reported;
-5. bitsandbytes' CUDA paths: 8-bit AdamW paged (optim_8bit.py --paged), 4-bit and 8-bit QLoRA bases.
+5. bitsandbytes' CUDA paths: 8-bit AdamW paged (optim_8bit.py --paged), 4-bit and 8-bit QLoRA bases;
+6. activation offloading (benchmarks/activation_offloading.py): GPT-2 124M bf16, 8 x 1024, without and with it
+   (all; checkpointing + checkpointed): the device's real peak, the host bytes, the step time against none's, and
+   the round trip per byte through the hooks (pinned memory, side stream) that sets --offload_min_bytes on a GPU.
 Each check's verdict is read from its results.json, not from an exit code alone.
 """
 
@@ -81,6 +84,22 @@ def mfu_checks(tiny: bool) -> list[list[str]]:
     ]
 
 
+def offload_args(tiny: bool) -> list[str]:
+    """(6): benchmarks/activation_offloading.py's arguments."""
+    return ["--preset", "tiny", "--batch", "2", "--seq", "64", "--steps", "2"] if tiny else []
+
+
+def offload_problem(result: dict, cuda: bool) -> str | None:
+    """On CUDA the offloaded settings must peak lower than the ones they offload from."""
+    by = {r["setting"]: r for r in result["steps"]}
+    if not cuda:
+        return None if by["all"]["host_peak_bytes"] > 0 else "nothing offloaded"
+    for off, plain in (("all", "none"), ("checkpointing + checkpointed", "checkpointing")):
+        if not by[off]["peak_above_start"] < by[plain]["peak_above_start"]:
+            return f"{off} peaked at {by[off]['peak_above_start']:,} B, not below {plain}'s"
+    return None
+
+
 def verdict(check: dict, results: dict | None, cuda: bool) -> str | None:
     """None when the run did what it says; else what went wrong."""
     if results is None:
@@ -116,7 +135,7 @@ def run_recipe_check(check: dict, out: Path, cuda: bool) -> dict:
             "train_loss": (results or {}).get("train_loss"), "command": " ".join(cmd[3:])}
 
 
-def write_report(rows: list[dict], mfu: list[dict], path: Path, machine: str) -> None:
+def write_report(rows: list[dict], mfu: list[dict], path: Path, machine: str, offload: dict | None = None) -> None:
     lines = ["# GPU check", "", f"Made by `bash benchmarks/gpu_check.sh` on {machine}.", "",
              "## Recipes, 5 steps each", "", "| check | ok | dtype | loss | seconds | problem |",
              "|---|---|---|---|---|---|"]
@@ -137,6 +156,16 @@ def write_report(rows: list[dict], mfu: list[dict], path: Path, machine: str) ->
         if fp8 in by and bf16 in by:
             lines.append(f"\nFP8 / bf16 throughput ({fp8}): "
                          f"{by[fp8]['tokens_per_second'] / by[bf16]['tokens_per_second']:.2f}x")
+    if offload:
+        t = offload["threshold"]
+        lines += ["", f"## Activation offloading ({offload['model']})", "",
+                  "| setting | device peak above weights | host peak | step s | x none |", "|---|---|---|---|---|"]
+        for r in offload["steps"]:
+            peak = f"{r['peak_above_start'] / 2**30:.2f} GiB" if r["peak_above_start"] is not None else "n/a"
+            lines.append(f"| {r['setting']} | {peak} | {r['host_peak_bytes'] / 2**30:.2f} GiB | {r['step_s']:.4f} | "
+                         f"{r['step_ratio']:.2f} |")
+        lines.append(f"\nRound trip through the hooks: {t['fixed_s'] * 1e6:.1f} us fixed + {t['per_byte_s'] * 1e9:.4f} "
+                     f"ns/byte; suggested --offload_min_bytes {t['suggested_min_bytes']:,}")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -168,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{' '.join(c['args'])}")
         for m in mfus:
             print(f"mfu: python benchmarks/mfu.py {' '.join(m)}")
+        if wanted("offload"):
+            print(f"offload: python benchmarks/activation_offloading.py {' '.join(offload_args(args.cpu_smoke))}")
         return 0
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -188,12 +219,22 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as err:
             rows.append({"name": f"mfu {' '.join(m)}", "ok": False, "problem": str(err)[-300:], "wall_s": 0,
                          "compute_dtype": None, "train_loss": None, "command": ""})
+    offload = None
+    if wanted("offload"):
+        import activation_offloading as offload_script
+
+        offload = offload_script.main([*offload_args(args.cpu_smoke), "--out", str(work / "offload.json")])
+        problem = offload_problem(offload, cuda)
+        rows.append({"name": "activation offloading", "ok": problem is None, "problem": problem, "wall_s": 0,
+                     "compute_dtype": "bfloat16" if cuda else "float32", "train_loss": None,
+                     "command": "python benchmarks/activation_offloading.py " + " ".join(offload_args(args.cpu_smoke))})
     machine = (torch.cuda.get_device_name(0) if cuda else "CPU") + f"; torch {torch.__version__}; " \
         + time.strftime("%Y-%m-%d")
     out = Path(args.output_dir) if not args.cpu_smoke else work
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps({"machine": machine, "checks": rows, "mfu": mfu_rows}, indent=1))
-    write_report(rows, mfu_rows, out / "gpu_check.md", machine)
+    (out / "gpu_check.json").write_text(json.dumps({"machine": machine, "checks": rows, "mfu": mfu_rows,
+                                                    "activation_offloading": offload}, indent=1))
+    write_report(rows, mfu_rows, out / "gpu_check.md", machine, offload)
     print(f"wrote {out / 'gpu_check.md'}")
     return 0 if all(r["ok"] for r in rows) else 1
 

@@ -34,6 +34,7 @@ from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.rules import offload_of, sharding_of
 from shared.core.tasks import load_task
+from shared.techniques.activation_offload import ActivationOffloader
 from shared.techniques.chunked_loss import ChunkedLoss
 from shared.techniques.deepspeed_setup import (
     add_deepspeed_args,
@@ -70,6 +71,9 @@ def add_args(p):
                    help="Step each parameter in its gradient hook and free the gradient (optimizer_in_backward.py).")
     p.add_argument("--measure_activations", action="store_true",
                    help="Count the bytes the first forward leaves alive for backward (results: activation_bytes).")
+    p.add_argument("--activation_offloading", default=None, choices=("all", "checkpointed"),
+                   help="Saved activations to the host (recipes/activation_offloading.py); checkpointed: the inputs of "
+                        "the blocks --gradient_checkpointing checkpoints.")
     p.add_argument("--lora", action="store_true", help="Train LoRA adapters (PEFT) on a frozen base model.")
     p.add_argument("--use_dora", action="store_true", help="With --lora: DoRA adapters (PEFT use_dora).")
     p.add_argument("--lora_r", type=COUNT, default=8)
@@ -100,9 +104,12 @@ def main(argv=None) -> dict:
         lora=args.lora, dora=args.use_dora, optimizer=args.optim, in_backward=args.optimizer_in_backward,
         checkpointing=args.gradient_checkpointing, checkpoint_policy=args.checkpointing_policy,
         chunked_loss=args.chunked_loss, task=args.task,  # only a causal LM has vocabulary logits to chunk
+        activation_offload=args.activation_offloading or "",
         flags={"load_in": f"--load_in {args.load_in}", "quant_storage": "--bnb_4bit_quant_storage",
                "lora": "--lora", "dora": "--use_dora", "optimizer": f"--optim {args.optim}",
-               "in_backward": "--optimizer_in_backward"})
+               "in_backward": "--optimizer_in_backward",
+               "activation_offload": f"--activation_offloading {args.activation_offloading}",
+               "checkpointing": "--gradient_checkpointing"})
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,
@@ -185,6 +192,8 @@ def main(argv=None) -> dict:
     if plugin is not None:
         meter.extras.update(deepspeed_summary(accelerator, model))
         patch_zero_step_to_count_states(meter, model, optimizer)  # ZeRO frees gradients inside its own step
+    if args.activation_offloading:  # the model's forwards run under the hooks (techniques/activation_offload.py)
+        offloader = ActivationOffloader(accelerator.unwrap_model(model), args.activation_offloading).attach()
     chunked = None
     if args.chunked_loss:
         chunked = ChunkedLoss(args.loss_chunk_size, max_tokens=args.per_device_train_batch_size * args.max_seq_length,
@@ -217,6 +226,9 @@ def main(argv=None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
 
+    if args.activation_offloading:
+        offloader.close()
+        meter.extras.update(offloader.ledger.summary(), activation_offloading=args.activation_offloading)
     extras = {"sharding": sharding_of(accelerator), "offload": offload_of(accelerator), "lora": args.lora,
               "use_dora": args.use_dora, "chunked_loss": args.chunked_loss,
               "gradient_checkpointing": args.gradient_checkpointing, "load_in": args.load_in,

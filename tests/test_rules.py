@@ -157,6 +157,8 @@ _ASKS = [
     {"comm_hook": "fp16", "local_sgd_steps": 4}, {"comm_hook": "bf16", "on_accelerator": False},
     {"powersgd_typed": "--powersgd_rank"}, {"comm_hook": "power_sgd", "train_steps": 5, "powersgd_start": 10},
     {"local_sgd_steps": 4, "checkpoints": True},
+    {"activation_offload": "all"}, {"activation_offload": "checkpointed", "checkpointing": False},
+    {"activation_offload": "all", "activation_offload_to": "disk", "activation_offload_dir": True},
 ]
 _FACTS = [
     {"model_type": "llama", "tp_plans": ("gpt2", "bert")}, {"heads": 4, "mlp_width": 6, "tp_degree": 4},

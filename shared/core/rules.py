@@ -136,7 +136,13 @@ RECIPES: dict[str, Support] = {
                     "(hsdp.yaml: HSDP)", async_checkpoint=True, reshards=True,  # SHARDED_STATE_DICT: DCP reshards
                     diff_budget=73),  # +15: --dp_replicate_size / --dp_shard_size (HSDP); +3: --async_checkpoint
     "qlora": Support(shardings=SHARDINGS, diff_budget=168),  # +4: its checkpoints keep the adapters (2026-12-01)
-    "combined": Support(shardings=SHARDINGS, diff_budget=194),  # planned: shared/tools/plan.py COMBINED
+    # Saved-tensor hooks around forward: one process, DDP and FSDP2 run (tests/test_activation_offloading.py).
+    "activation_offloading": Support(shardings=(*_CLASSIC, "fsdp"), diff_budget=54,
+                                     instead="one process, accelerate_configs/multi_cpu.yaml (DDP) or fsdp.yaml",
+                                     why_not="its saved-tensor hooks have not been run with DeepSpeed's engine here"),
+    # planned: shared/tools/plan.py COMBINED; +12 lines for --activation_offloading, +44 for the ladder's flags
+    # (2026-12-02)
+    "combined": Support(shardings=SHARDINGS, diff_budget=209),
     # The head module's own hooks gather it (tests/test_chunked_loss.py).
     "chunked_loss": Support(shardings=SHARDINGS, diff_budget=63),
     # One process only (sharding "none" is never launched with more), found by running DDP over gloo with the hooks:
@@ -212,6 +218,9 @@ class Run:
     powersgd_typed: str = ""  # the PowerSGD flags given
     train_steps: int = 0  # --max_train_steps (0: not given)
     checkpoints: bool = False  # --checkpointing_steps or --resume_from_checkpoint given
+    activation_offload: str = ""  # all | checkpointed: saved tensors moved off the device ("": none)
+    activation_offload_to: str = "cpu"  # cpu | disk
+    activation_offload_dir: bool = False  # a directory for the disk was given
     model_given: bool = True  # --model_name_or_path was passed (False: the recipe's own fresh preset)
     preset: str = ""  # --model_preset when no --model_name_or_path is given ("": a given model)
     # Facts known only once the model or the Accelerator is built: check_built(...) weighs them against the same
@@ -546,6 +555,20 @@ RULES: tuple[Rule, ...] = (
          lambda r: f"{r.flag('shard_vocab')} with --task {r.task}: only the causal LM has a vocabulary-sized head; "
                    "BERT's and ViT's heads are classifiers of num_labels outputs, too small to split",
          lambda r: f"drop {r.flag('shard_vocab')}, or use --task causal-lm"),
+    # Activation offloading (techniques/activation_offload.py): DeepSpeed's engine was not run with the hooks here.
+    Rule(lambda r: bool(r.activation_offload) and r.sharding.startswith("zero"),
+         lambda r: f"{r.flag('activation_offload')} under DeepSpeed ZeRO-{r.sharding[-1]}: the saved-tensor hooks have "
+                   "not been run with DeepSpeed's engine (its ZeRO-3 parameter hooks) here",
+         lambda r: "use one process, DDP or FSDP2 (accelerate_configs/multi_cpu.yaml, fsdp.yaml)"),
+    Rule(lambda r: r.activation_offload == "checkpointed" and r.checkpointing is False,
+         lambda r: f"{r.flag('activation_offload')} moves the inputs of checkpointed blocks, and none is checkpointed",
+         lambda r: f"add {r.flag('checkpointing')}, or pass {r.flag('activation_offload').split()[0]} all"),
+    Rule(lambda r: r.activation_offload_to == "disk" and (not r.activation_offload_dir
+                                                          or r.activation_offload != "checkpointed"),
+         lambda r: "--offload_to disk writes one file per checkpointed block input: it needs --offload_dir and "
+                   "--offload_mode checkpointed",
+         lambda r: "pass --offload_dir DIR (a local disk with room for one step's block inputs) and --offload_mode "
+                   "checkpointed, or --offload_to cpu"),
     Rule(lambda r: r.chunked_loss and r.task not in ("", "causal-lm"),
          lambda r: f"{r.flag('chunked_loss')} chunks a causal LM's vocabulary logits, and --task {r.task} has no "
                    "vocabulary head",

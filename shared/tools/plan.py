@@ -613,6 +613,18 @@ class Recompute:
 SELECTIVE_RECOMPUTE = 0.3
 
 
+def offloaded_activation_bytes(spec: ModelSpec, act: Activations, batch: int, seq: int | None, mode: str,
+                               precision: str = "fp32", weights16: bool = False) -> float:
+    """Bytes recipes/activation_offloading.py moves off the device in one forward. checkpointed: each checkpointed
+    block's input, the residual stream E h (fp32 under autocast; 16-bit when the weights are), exactly what the
+    tiny run's ledger counts. all: every saved tensor but about one block's, which backward brings back at a time
+    (tensors under --offload_min_bytes stay too: at 32 KiB, none of a real model's per-token tensors)."""
+    if mode == "checkpointed":
+        res_b = 2 if weights16 and spec.family == "decoder" else 4
+        return spec.layers * batch * (spec.seq_tokens or seq) * spec.hidden * res_b
+    return max(0.0, act.saved - act.layer)
+
+
 def recompute_options(spec: ModelSpec, batch: int, seq: int | None, precision: str = "fp32",
                       kernels: str = "cuda", weights16: bool = False) -> list[Recompute]:
     """Every distinct setting, least recompute first: none, full on L // K blocks for K = L .. 1, selective."""
@@ -683,6 +695,7 @@ class Technique:
     quant_storage: str = "uint8"  # --bnb_4bit_quant_storage: ZeRO-3 / FSDP shard 4-bit weights stored as bfloat16
     ep: bool = False  # expert parallel: each process holds experts/N whole experts, the dense weights FSDP2-sharded
     hsdp: bool = False  # hybrid sharding: FSDP within a node, replicas across nodes
+    act_offload: str = ""  # all | checkpointed: saved activations moved to the host (recipes/activation_offloading.py)
 
     @property
     def adapters(self) -> bool:
@@ -733,6 +746,12 @@ TECHNIQUES: list[Technique] = [
     Technique("qlora_4bit_dora", "qlora", None, precision="bf16", load_in="4bit", dora=True, checkpointing=True,
               args=("--load_in", "4bit", "--use_dora"), speed=1.6),
     Technique("chunked_loss", "chunked_loss", None, loss_chunk=1024),
+    # Saved activations to the host (recipes/activation_offloading.py). Speed priors, not measured on a GPU yet
+    # (benchmarks/gpu_check.py measures them): every activation over PCIe and back, partly overlapped, x1.3; the
+    # block inputs only, one E h tensor per block, x1.05 on top of checkpointing's recompute.
+    Technique("activation_offloading", "activation_offloading", None, act_offload="all", speed=1.3),
+    Technique("activation_offloading_checkpointed", "activation_offloading", None, checkpointing=True,
+              act_offload="checkpointed", args=("--offload_mode", "checkpointed"), speed=1.05),
     # the global batch is one device's (the devices split sequences): a prior of 1.1 for the 4 all-to-alls a block
     Technique("sequence_parallel", "sequence_parallel", None, splits_sequence=True, speed=1.1),
     # Tensor parallel trains fp32 here (bf16 not yet run with TP); one group of all devices, or groups of 2 x FSDP2.
@@ -749,7 +768,7 @@ def _signature(t: Technique) -> tuple:
     """What a row does to memory, whichever recipe runs it: a combination a single-technique row already shows is
     planned once, as that row (its recipe teaches the one technique)."""
     return (t.sharding, t.offload, t.offload_params, t.checkpointing, t.optimizer, t.load_in, t.adapters, t.dora,
-            bool(t.loss_chunk), t.splits_sequence, t.tp, t.ep, t.hsdp)
+            bool(t.loss_chunk), t.splits_sequence, t.tp, t.ep, t.hsdp, t.act_offload)
 
 
 def combined_techniques() -> list[Technique]:
@@ -1061,6 +1080,10 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
             p.buffers += wt * psi if kernels == "cuda" else 2 * wt * max(numels)
         if tech.sharding == "ddp" and n > 1 and not tech.ep:
             p.buffers += min(wt * psi, 25 * MiB * 2)  # DDP's gradient buckets (25 MB)
+    if tech.act_offload:  # the saved activations moved to the host (shared/techniques/activation_offload.py)
+        moved = offloaded_activation_bytes(spec, act, batch, seq, tech.act_offload, precision, weights16)
+        p.activations -= moved
+        p.host += moved
     if tech.checkpointing:
         p.activations += act.layer  # one block recomputed at a time in backward
     if tech.splits_sequence:
@@ -1176,7 +1199,8 @@ def compat_run(tech: Technique, precision: str, num_processes: int, task: str = 
                      load_in=tech.load_in, quant_storage=tech.quant_storage, lora=tech.adapters, dora=tech.dora,
                      optimizer=tech.optimizer, task=task, seq_len=seq_len,
                      packing="concat" if task == "causal-lm" else "none", tensor_parallel_size=max(0, tech.tp),
-                     chunked_loss=bool(tech.loss_chunk), flags=flags if tech.recipe == "combined" else {}, **built)
+                     chunked_loss=bool(tech.loss_chunk), activation_offload=tech.act_offload,
+                     flags=flags if tech.recipe == "combined" else {}, **built)
 
 
 def command(tech: Technique, precision: str, args: argparse.Namespace, extra: tuple[str, ...] = ()) -> str:
