@@ -33,8 +33,6 @@ from matrix import machine  # noqa: E402 - also imports the stack once, before a
 
 from shared.core import rules  # noqa: E402
 from shared.tools.ladder import (  # noqa: E402
-    OFFLOAD_FLAG,
-    OFFLOAD_PENDING,
     RUNGS,
     Rung,
     argv,
@@ -48,11 +46,6 @@ COMBINED = ROOT / "recipes" / "combined.py"
 MODELS = {"base": "GPT-2 124M", "tiny-llama": "tiny-llama"}
 PARTS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes")
 REFUSED = "Refused before training: "
-
-
-def offload_ready() -> bool:
-    """recipes/combined.py has the activation-offloading flag (written beside this ladder, issue 25)."""
-    return OFFLOAD_FLAG in COMBINED.read_text()
 
 
 def _fork_run(args: list[str], log: Path, threads: int) -> bool:
@@ -88,12 +81,10 @@ def _fork_run(args: list[str], log: Path, threads: int) -> bool:
 
 def run_rung(rung: Rung, preset: str, out: Path, steps: int, batch: int, seq: int, threads: int) -> dict:
     """One run of a rung: results.json's fields, or {"refused": why} / {"failed": the error}, and its wall time."""
-    flags = stacked(rung.name, offload_ready())
+    flags = stacked(rung.name)
     refused = rules.refusals(run_of(flags, rung.config))
     if refused:  # what combined.py would say before loading anything: not launched (2 processes take a minute)
         return {"refused": " ".join(refused).removeprefix(REFUSED), "wall_s": 0.0}
-    if rung.name == "act_offload" and not offload_ready():  # would rerun the rung before
-        return {"pending": OFFLOAD_PENDING, "wall_s": 0.0}
     args = [*argv(flags), "--model_preset", preset, "--max_train_steps", str(steps), "--max_seq_length", str(seq),
             "--per_device_train_batch_size", str(batch), "--disable_dropout", "--measure_activations",
             "--logging_steps", "1", "--report_to", "none", "--no_save_model", "--max_eval_samples", "8",
@@ -151,13 +142,13 @@ def ladder(preset: str, rungs: tuple[Rung, ...], out: Path, steps: int, batch: i
     for rung in rungs:
         first = runs[rung.name][0]
         row = {"rung": rung.name, "adds": rung.adds, "config": rung.config, "processes": 2 if rung.config else 1,
-               "flags": argv(stacked(rung.name, offload_ready())), **measured(first),
+               "flags": argv(stacked(rung.name)), **measured(first),
                "wall_s": sum(r["wall_s"] for r in runs[rung.name])}
         times = [r["seconds_per_step"] for r in runs[rung.name] if "seconds_per_step" in r]
         if times:
             med = statistics.median(times)
             row.update(seconds_per_step=med, step_time_spread=(max(times) - min(times)) / med, repeats=len(times))
-        p = predict_rung(spec, stacked(rung.name, offload_ready()), rung.config, batch, seq, kernels="cpu")
+        p = predict_rung(spec, stacked(rung.name), rung.config, batch, seq, kernels="cpu")
         row["predicted"] = {"param_bytes": p.weights, "grad_bytes": p.grads, "optimizer_state_bytes": p.optimizer,
                             "activation_bytes": p.activations, "peak_memory_bytes": p.device_peak + CPU_RUNTIME_BYTES}
         rows.append(row)
@@ -314,9 +305,9 @@ def write_doc(results: dict, path: Path, planner_text: str) -> None:
     lines += [
         "## What cannot stack, and where it runs",
         "",
-        "- Activation offloading (rung `act_offload`) is `recipes/combined.py --activation_offloading checkpointed`; "
-        "until that flag is in this checkout the rung shows " f"\"{OFFLOAD_PENDING}\" and the rungs above it run "
-        "without it.",
+        "- Activation offloading (rung `act_offload`) is `recipes/combined.py --activation_offloading checkpointed` "
+        "(the checkpointed blocks' inputs to host memory): on this CPU machine host and device are one memory, so "
+        "its bytes move in the bookkeeping only (recipes/activation_offloading.py, docs/activation_offloading.md).",
         "- The sharding rungs (2 processes) stack on `full_ckpt`, the last rung DeepSpeed can run: on the whole "
         "stack ZeRO is refused by shared/core/rules.py (`zero2_stack`: torchao's optimizer under ZeRO; the "
         "optimizer step in backward is refused under any sharding too), since DeepSpeed keeps its own fp32 "
@@ -378,7 +369,7 @@ def report(results: dict, out: Path) -> None:
     plot(results, out / "results" / "ladder.png")
     text = ""
     for model, seq, batch in (("gpt2", 1024, 8), ("meta-llama/Llama-3.2-3B", 2048, 4)):
-        cmd = ["-m", "shared.tools.plan", "--ladder", "--model_name_or_path", model, "--gpu_memory", "80GB",
+        cmd = ["-m", "shared.tools.ladder", "--model_name_or_path", model, "--gpu_memory", "80GB",
                "--seq_len", str(seq), "--per_device_batch_size", str(batch)]
         planner = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True).stdout
         text += f"$ python {' '.join(cmd)}\n{planner}\n"

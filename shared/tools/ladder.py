@@ -1,7 +1,7 @@
 """The technique ladder: the techniques a user adds one by one until a model fits, each rung stacked on the one
 before, as recipes/combined.py flags; what each rung costs in memory, predicted by the planner (shared/tools/plan.py)
-and run by benchmarks/ladder.py. `python -m shared.tools.plan --ladder --model_name_or_path M --gpu_memory 80GB`
-prints it for a model and GPU."""
+and run by benchmarks/ladder.py. `python -m shared.tools.ladder --model_name_or_path M --gpu_memory 80GB`
+(the planner's flags) prints it for a model and GPU."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from .plan import (
     activation_bytes,
     fmt,
     predict,
+    resolve,
     torchao_adam_state_bytes,
 )
 
-OFFLOAD_FLAG = "--activation_offloading"  # recipes/combined.py's, written beside this ladder (issue 25)
-OFFLOAD_PENDING = "pending: recipes/activation_offloading.py"
+OFFLOAD_FLAG = "--activation_offloading"  # recipes/combined.py's (shared/techniques/activation_offload.py)
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,8 @@ RUNGS: tuple[Rung, ...] = (
 )
 
 
-def stacked(rung: str, offload_ready: bool = False) -> dict[str, str]:
-    """The combined.py flags of a rung: BASE_FLAGS and every change up to it. Activation offloading stacks only once
-    combined.py has its flag (`offload_ready`); until then the rungs above skip it."""
+def stacked(rung: str) -> dict[str, str]:
+    """The combined.py flags of a rung: BASE_FLAGS and every change up to it."""
     names = [r.name for r in RUNGS]
     target = RUNGS[names.index(rung)]
     chain: list[Rung] = []
@@ -82,8 +81,6 @@ def stacked(rung: str, offload_ready: bool = False) -> dict[str, str]:
     flags = dict(BASE_FLAGS)
     for r in reversed(chain):
         for k, v in r.flags.items():
-            if k == OFFLOAD_FLAG and not offload_ready:
-                continue
             if v is None:
                 flags.pop(k, None)
             else:
@@ -102,7 +99,8 @@ def technique(flags: dict[str, str], config: str | None) -> tuple[Technique, str
     tech = Technique(
         "ladder", "combined", config, checkpointing="--gradient_checkpointing" in flags, optimizer=optim,
         load_in=flags.get("--load_in", "full"), lora="--lora" in flags,
-        loss_chunk=int(flags.get("--loss_chunk_size", 1024)) if "--chunked_loss" in flags else 0, **launch)
+        loss_chunk=int(flags.get("--loss_chunk_size", 1024)) if "--chunked_loss" in flags else 0,
+        act_offload=flags.get(OFFLOAD_FLAG, ""), **launch)
     return tech, "bf16" if flags.get("--mixed_precision") == "bf16" else "fp32"
 
 
@@ -115,10 +113,12 @@ def run_of(flags: dict[str, str], config: str | None) -> rules.Run:
         num_processes=2 if config else 1, precision="no" if precision == "fp32" else precision,
         load_in=tech.load_in, lora=tech.lora, optimizer=tech.optimizer, in_backward="--optimizer_in_backward" in flags,
         checkpointing=tech.checkpointing, checkpoint_policy=flags.get("--checkpointing_policy", "full"),
-        chunked_loss=bool(tech.loss_chunk), task="causal-lm", packing=flags["--packing"],
+        chunked_loss=bool(tech.loss_chunk), activation_offload=tech.act_offload, task="causal-lm",
+        packing=flags["--packing"],
         max_grad_norm=float(flags["--max_grad_norm"]),
         flags={"load_in": f"--load_in {tech.load_in}", "lora": "--lora", "optimizer": f"--optim {tech.optimizer}",
-               "in_backward": "--optimizer_in_backward", "quant_storage": "--bnb_4bit_quant_storage"})
+               "in_backward": "--optimizer_in_backward", "quant_storage": "--bnb_4bit_quant_storage",
+               "activation_offload": f"{OFFLOAD_FLAG} {tech.act_offload}", "checkpointing": "--gradient_checkpointing"})
 
 
 def predict_rung(spec: ModelSpec, flags: dict[str, str], config: str | None, batch: int, seq: int,
@@ -146,12 +146,12 @@ def predict_rung(spec: ModelSpec, flags: dict[str, str], config: str | None, bat
     return p
 
 
-def ladder(spec: ModelSpec, batch: int, seq: int, kernels: str = "cuda", lora_r: int = 8,
-           offload_ready: bool = False) -> list[tuple[Rung, dict[str, str], Prediction, list[str]]]:
+def ladder(spec: ModelSpec, batch: int, seq: int, kernels: str = "cuda",
+           lora_r: int = 8) -> list[tuple[Rung, dict[str, str], Prediction, list[str]]]:
     """Every rung: its flags, the prediction, and the rule table's refusals (empty: it trains)."""
     out = []
     for rung in RUNGS:
-        flags = stacked(rung.name, offload_ready)
+        flags = stacked(rung.name)
         out.append((rung, flags, predict_rung(spec, flags, rung.config, batch, seq, kernels, lora_r),
                     rules.refusals(run_of(flags, rung.config))))
     return out
@@ -169,9 +169,17 @@ def print_ladder(spec: ModelSpec, args: argparse.Namespace) -> None:
         if refused:
             print(f"{rung.name:<15}{rung.adds:<44}refused: {refused[0][:150]}")
             continue
-        pending = OFFLOAD_PENDING if rung.name == "act_offload" else ""
         fits = "yes" if p.device_peak <= usable else "no"
         print(f"{rung.name:<15}{rung.adds:<44}{fmt(p.weights):>10}{fmt(p.grads):>10}{fmt(p.optimizer):>10}"
-              f"{fmt(p.activations):>10}{fmt(p.device_peak):>10}{p.speed:>7.2f}  {fits} {pending}")
+              f"{fmt(p.activations):>10}{fmt(p.device_peak):>10}{p.speed:>7.2f}  {fits}")
     print("Run a rung: accelerate launch [--config_file accelerate_configs/<config>] recipes/combined.py <its flags>;"
           " measured on CPU: benchmarks/ladder.py (docs/ladder.md)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, spec = resolve(argv, prog="python -m shared.tools.ladder")
+    print_ladder(spec, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1420,18 +1420,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="One row in full (NAME or NAME:PRECISION as listed): its bytes, every rule it breaks with the "
                         "rule's fix, its command.")
     p.add_argument("--list_models", action="store_true", help="Print the built-in hub ids and stop.")
-    p.add_argument("--ladder", action="store_true",
-                   help="The technique ladder: one technique added per rung (bf16, packing, chunked loss, "
-                        "checkpointing, low-bit AdamW, step in backward, LoRA, QLoRA, ZeRO), bytes per device.")
     return p
 
 
-def main(argv: list[str] | None = None) -> list[tuple[Prediction, list[str]]]:
+def resolve(argv: list[str] | None, prog: str = "python -m shared.tools.plan") -> tuple[argparse.Namespace, ModelSpec]:
+    """The flags checked and the model's spec: what every planner command (this one, shared/tools/ladder.py) starts
+    from."""
     quiet.silence_known_noise()  # before transformers loads torchao: its CUDA-only kernels' messages
-    args = build_parser().parse_args(argv)
-    if args.list_models:
-        print("\n".join(sorted(KNOWN_CONFIGS, key=str.lower)))
-        return []
+    parser = build_parser()
+    parser.prog = prog
+    args = parser.parse_args(argv)
     for flag in ("num_gpus", "seq_len", "per_device_batch_size", "lora_r"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag} must be at least 1, got {getattr(args, flag)}")
@@ -1442,12 +1440,14 @@ def main(argv: list[str] | None = None) -> list[tuple[Prediction, list[str]]]:
         raise SystemExit(f"--gpu_memory {fmt(args.gpu_memory)} leaves nothing after --reserve {fmt(args.reserve)}.")
     config, args.task, source = load_config(args.model_name_or_path, args.model_preset, args.task, args.vocab_size,
                                             args.num_labels, args.trust_remote_code)
-    spec = model_spec(config, args.task, source, args.disable_dropout)
-    if args.ladder:  # shared/tools/ladder.py: the rungs of benchmarks/ladder.py, for this model and GPU
-        from .ladder import print_ladder
+    return args, model_spec(config, args.task, source, args.disable_dropout)
 
-        print_ladder(spec, args)
+
+def main(argv: list[str] | None = None) -> list[tuple[Prediction, list[str]]]:
+    if "--list_models" in (argv if argv is not None else sys.argv[1:]):
+        print("\n".join(sorted(KNOWN_CONFIGS, key=str.lower)))
         return []
+    args, spec = resolve(argv)
     rows = plan(spec, args)
     if args.explain:
         explain(rows, args.explain, args, spec)
