@@ -157,6 +157,8 @@ _ASKS = [
     {"comm_hook": "fp16", "local_sgd_steps": 4}, {"comm_hook": "bf16", "on_accelerator": False},
     {"powersgd_typed": "--powersgd_rank"}, {"comm_hook": "power_sgd", "train_steps": 5, "powersgd_start": 10},
     {"local_sgd_steps": 4, "checkpoints": True},
+    {"in_backward": True},  # the ladder's combined.py
+    {"checkpoint_policy": "selective", "checkpointing": False},
     {"activation_offload": "all"}, {"activation_offload": "checkpointed", "checkpointing": False},
     {"activation_offload": "all", "activation_offload_to": "disk", "activation_offload_dir": True},
 ]
