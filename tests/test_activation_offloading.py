@@ -12,32 +12,19 @@ import torch
 import torch.nn.functional as F
 
 from shared.core import rules
-from shared.core.models import AUTO_CLASSES, preset_config
 from shared.techniques.activation_offload import ActivationOffloader, offload_activations
 from shared.techniques.probes import forward_kept_bytes
 from tests.conftest import launch, run_recipe
+from tests.test_selective_checkpointing import BATCH as _B
+from tests.test_selective_checkpointing import SEQ as _S
+from tests.test_selective_checkpointing import _model_and_batch as selective_model_and_batch
 
-BATCH, SEQ = 4, 32
+BATCH, SEQ = _B, _S  # the batch of tests/test_selective_checkpointing.py's model
 TASKS = ["text-classification", "causal-lm", "image-classification"]
 
 
 def _model_and_batch(task: str):
-    cfg = preset_config(task, "tiny", vocab_size=1000)
-    for key, value in cfg.to_dict().items():  # dropout off: the same function with and without offloading
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-            setattr(cfg, key, 0.0)
-    torch.manual_seed(0)
-    model = AUTO_CLASSES[task].from_config(cfg).train()
-    if task == "image-classification":
-        inputs = {"pixel_values": torch.randn(BATCH, 3, cfg.image_size, cfg.image_size)}
-        labels = torch.randint(0, 2, (BATCH,))
-    else:
-        ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ))
-        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        labels = ids if task == "causal-lm" else torch.randint(0, 2, (BATCH,))
-        if task == "causal-lm":
-            inputs["use_cache"] = False
-    return model, inputs, labels
+    return selective_model_and_batch(task, layers=None)[1:]  # the preset's blocks, BATCH x SEQ
 
 
 def _loss(model, task, inputs, labels):

@@ -62,7 +62,7 @@ PREFLIGHT = {
     "zero1.yaml": ("zero", []), "zero2.yaml": ("zero", []), "zero3.yaml": ("zero", ["--task", "causal-lm"]),
     "zero2_offload.yaml": ("zero3_offload", []), "zero3_offload.yaml": ("zero3_offload", []),
     "zero3_nvme.yaml": ("zero3_offload", ["--nvme_path", "NVME_DIR"]),
-    "tp2_dp2.yaml": ("tensor_parallel", ["--tp_size", "2"]),
+    "tp2_dp2.yaml": ("tensor_parallel", ["--tp_size", "2"]), "hsdp.yaml": ("fsdp", ["--dp_replicate_size", "2"]),
 }
 # multi_gpu.yaml launches 8 processes: 2 run the same code on 2 cores. multi_node.yaml: both machines on loopback.
 LAUNCH_ARGS = {"multi_gpu.yaml": ["--num_processes", "2"],

@@ -17,9 +17,11 @@ LAYERS, BATCH, SEQ = 4, 4, 32
 RECIPE = load_recipe("activation_checkpointing")
 
 
-def _model_and_batch(task: str):
+def _model_and_batch(task: str, layers: int | None = LAYERS):
+    """A tiny fp32 model of the family (`layers` blocks; None: the preset's), dropout off, and one batch."""
     cfg = preset_config(task, "tiny", vocab_size=1000)
-    cfg.update({"n_layer": LAYERS} if task == "causal-lm" else {"num_hidden_layers": LAYERS})
+    if layers:
+        cfg.update({"n_layer": layers} if task == "causal-lm" else {"num_hidden_layers": layers})
     for key, value in cfg.to_dict().items():  # fp32, dropout off: equal gradients up to rounding
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(cfg, key, 0.0)

@@ -104,7 +104,10 @@ def _trained(seed: int):
 
 def test_dcp_hooks_round_trip_and_refuse_another_mesh(tmp_path):
     """The hooks' torch.distributed.checkpoint round trip (one process): weights, AdamW moments and the scheduler come
-    back; a checkpoint of another mesh is refused, naming the flags to resume with."""
+    back, on the mesh that saved them and on another data-parallel degree (DCP reshards; the core keeps the global
+    batch); GPT-2 on another tensor-parallel degree is refused, naming the flag to resume with."""
+    from types import SimpleNamespace
+
     import torch
 
     from shared.techniques.tensor_parallel import checkpoint_dtensors
@@ -121,9 +124,17 @@ def test_dcp_hooks_round_trip_and_refuse_another_mesh(tmp_path):
         assert torch.equal(optimizer.state[a]["exp_avg_sq"], other_opt.state[b]["exp_avg_sq"])
     assert other_sched.state_dict() == scheduler.state_dict()
 
+    wider = _Hooks()
+    more_dp = _trained(2)
+    checkpoint_dtensors(wider, *more_dp, {"dp": 2, "tp": 2})
+    wider.load([], str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), more_dp[0].parameters(), strict=True))
+
     elsewhere = _Hooks()
-    checkpoint_dtensors(elsewhere, *_trained(2), {"dp": 2, "tp": 2})
-    with pytest.raises(SystemExit, match=r"saved on the mesh \{'dp': 1, 'tp': 2\}.*--num_processes and --tp_size"):
+    gpt2, *rest = _trained(3)
+    gpt2.config = SimpleNamespace(model_type="gpt2")
+    checkpoint_dtensors(elsewhere, gpt2, *rest, {"dp": 1, "tp": 4})
+    with pytest.raises(SystemExit, match=r"saved on the mesh \{'dp': 1, 'tp': 2\}.*fused qkv.*--tp_size 2"):
         elsewhere.load([], str(tmp_path))
     with pytest.raises(SystemExit, match="no mesh.json.*not saved by a DTensor run"):
         elsewhere.load([], str(tmp_path / "dcp"))

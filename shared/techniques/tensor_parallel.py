@@ -255,7 +255,8 @@ def checkpoint_dtensors(accelerator, model: nn.Module, optimizer: torch.optim.Op
             raise SystemExit(f"{input_dir} has no mesh.json: it was not saved by a DTensor run (tensor parallel). "
                              "Resume from a checkpoint this recipe wrote, or drop --resume_from_checkpoint.")
         saved = json.loads((Path(input_dir) / "mesh.json").read_text())
-        if saved["tp"] != layout["tp"] and model.config.model_type == "gpt2":
+        gpt2 = getattr(getattr(model, "config", None), "model_type", "") == "gpt2"
+        if saved.get("tp") != layout.get("tp") and gpt2:  # expert parallel's layout has no "tp"
             raise SystemExit(f"{input_dir} was saved on the mesh {saved}, and this run's is {layout}: GPT-2's fused "
                              f"qkv rows are ordered for {saved['tp']} tensor-parallel processes. Resume with --tp_size "
                              f"{saved['tp']} (any data-parallel degree), or a model with separate q, k, v projections.")
