@@ -22,14 +22,13 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from matrix import machine  # noqa: E402 - also imports the stack once, before any fork
+from matrix import fork_recipe, machine  # noqa: E402 - also imports the stack once, before any fork
 
 from shared.core import rules  # noqa: E402
 from shared.tools.ladder import (  # noqa: E402
@@ -48,37 +47,6 @@ PARTS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes
 REFUSED = "Refused before training: "
 
 
-def _fork_run(args: list[str], log: Path, threads: int) -> bool:
-    pid = os.fork()
-    if pid == 0:  # child: combined.py's main() as `python recipes/combined.py` would run it
-        code = 1
-        try:
-            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.environ["OMP_NUM_THREADS"] = str(threads)
-            import importlib.util
-
-            import torch
-
-            torch.set_num_threads(threads)
-            spec = importlib.util.spec_from_file_location("recipe_combined", COMBINED)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            module.main(args)
-            code = 0
-        except SystemExit as e:  # a refusal: its message is the log's last line
-            print(e, file=sys.stderr)
-        except BaseException:  # noqa: BLE001 - the parent reports it
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 0
-
-
 def run_rung(rung: Rung, preset: str, out: Path, steps: int, batch: int, seq: int, threads: int) -> dict:
     """One run of a rung: results.json's fields, or {"refused": why} / {"failed": the error}, and its wall time."""
     flags = stacked(rung.name)
@@ -93,7 +61,7 @@ def run_rung(rung: Rung, preset: str, out: Path, steps: int, batch: int, seq: in
     log = out.parent / f"{out.name}.log"
     t0 = time.perf_counter()
     if rung.config is None:
-        ok = _fork_run(args, log, threads)
+        ok = fork_recipe("combined", args, log, threads)
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ROOT / "accelerate_configs" / rung.config), "--num_processes", "2", str(COMBINED), *args]

@@ -170,6 +170,40 @@ def _single_process(config: str) -> dict | None:
     return {"ACCELERATE_MIXED_PRECISION": str(cfg.get("mixed_precision", "no"))}
 
 
+def fork_recipe(recipe: str, argv: list[str], log: Path, threads: int, env: dict[str, str] | None = None) -> bool:
+    """recipes/<recipe>.py's main(argv) in a forked child of this process (the stack imported once, here), as
+    `python recipes/<recipe>.py` would run it; its output to `log`. True when it finished. A refusal (SystemExit)
+    leaves its message as the log's last line; any other error its traceback. benchmarks/ladder.py runs its rungs
+    with it too."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.environ.update(env or {})
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            torch.set_num_threads(threads)
+            import importlib.util
+
+            spec = importlib.util.spec_from_file_location(f"recipe_{recipe}", ROOT / "recipes" / f"{recipe}.py")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            module.main(argv)
+            code = 0
+        except SystemExit as e:
+            print(e, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - the parent reports it
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
 def execute(run: Run, argv: list[str], out: Path, threads: int) -> tuple[dict | None, str | None, float]:
     """Run one recipe; returns (results.json, error, wall seconds)."""
     t0 = time.perf_counter()
@@ -177,32 +211,7 @@ def execute(run: Run, argv: list[str], out: Path, threads: int) -> tuple[dict | 
     log = out.parent / f"{out.name}.log"
     out.mkdir(parents=True, exist_ok=True)
     if env is not None:
-        pid = os.fork()
-        if pid == 0:  # child: run the recipe's main() as `python recipes/<x>.py` would
-            code = 1
-            try:
-                fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                os.environ.update(env)
-                os.environ["OMP_NUM_THREADS"] = str(threads)
-                torch.set_num_threads(threads)
-                import importlib.util
-
-                spec = importlib.util.spec_from_file_location(f"recipe_{run.recipe}", ROOT / "recipes" /
-                                                              f"{run.recipe}.py")
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-                module.main(argv)
-                code = 0
-            except BaseException:  # noqa: BLE001 - the parent reports it
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        ok = os.waitstatus_to_exitcode(status) == 0
+        ok = fork_recipe(run.recipe, argv, log, threads, env)
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ROOT / "accelerate_configs" / run.config), str(ROOT / "recipes" / f"{run.recipe}.py"), *argv]
