@@ -83,14 +83,17 @@ def measured(r: dict) -> dict:
     if "refused" in r or "failed" in r or "pending" in r:
         return {k: r[k] for k in ("refused", "failed", "pending") if k in r}
     grads = r["peak_grad_bytes"] if r.get("optimizer_in_backward") else r["grad_bytes"][0]  # freed in its hook
-    tokens_per_step = r["train_tokens_per_second"] * r["seconds_per_step"] / (2 if r.get("sharding", "none")
+    # a whole number of tokens, from two rounded floats' product
+    tokens_per_step = round(r["train_tokens_per_second"] * r["seconds_per_step"]) / (2 if r.get("sharding", "none")
                                                                             .startswith("zero") else 1)
     return {"param_bytes": r["param_bytes"][0], "grad_bytes": grads,
             "optimizer_state_bytes": r["optimizer_state_bytes"][0],
             "activation_bytes": r.get("activation_bytes"), "peak_memory_bytes": r["peak_memory_bytes"][0],
             "train_loss": r["train_loss"], "tokens_per_step": tokens_per_step, "compute_dtype": r.get("compute_dtype"),
             "optimizer_class": r.get("optimizer_class"), "trainable_params": r.get("trainable_params"),
-            "padding_fraction": r.get("padding_fraction")}
+            "padding_fraction": r.get("padding_fraction"),
+            # activation offloading: the bytes it moved off the device (on CPU: the same memory, bookkeeping)
+            "offloaded_activation_bytes": r.get("offload_peak_host_bytes")}
 
 
 def ladder(preset: str, rungs: tuple[Rung, ...], out: Path, steps: int, batch: int, seq: int, repeats: int,
@@ -117,8 +120,11 @@ def ladder(preset: str, rungs: tuple[Rung, ...], out: Path, steps: int, batch: i
             med = statistics.median(times)
             row.update(seconds_per_step=med, step_time_spread=(max(times) - min(times)) / med, repeats=len(times))
         p = predict_rung(spec, stacked(rung.name), rung.config, batch, seq, kernels="cpu")
+        # On CPU the host and the device are one memory: the offloaded states are measured with the rest
         row["predicted"] = {"param_bytes": p.weights, "grad_bytes": p.grads, "optimizer_state_bytes": p.optimizer,
-                            "activation_bytes": p.activations, "peak_memory_bytes": p.device_peak + CPU_RUNTIME_BYTES}
+                            "host_state_bytes": p.host - p.host_activations, "model_state_bytes": p.states_anywhere,
+                            "activation_bytes": p.activations, "host_activation_bytes": p.host_activations,
+                            "peak_memory_bytes": p.device_peak + p.host + CPU_RUNTIME_BYTES}
         rows.append(row)
     return rows
 
@@ -126,8 +132,10 @@ def ladder(preset: str, rungs: tuple[Rung, ...], out: Path, steps: int, batch: i
 # ---------------------------------------------------------------- the report
 
 
-def _mib(v: float | None) -> str:
-    return "" if v is None else f"{v / 2**20:,.1f}"
+def _unit(rows: list[dict]) -> tuple[str, float]:
+    """KiB for a model whose parameters are under 16 MiB (the tiny one), else MiB: each row readable to 3 digits."""
+    top = max((r.get("param_bytes") or 0 for r in rows), default=0)
+    return ("KiB", 2**10) if top < 16 * 2**20 else ("MiB", 2**20)
 
 
 def _status(row: dict) -> str:
@@ -138,30 +146,45 @@ def _status(row: dict) -> str:
     return row.get("pending", "")
 
 
+def _planned_states(p: dict) -> float:
+    # recorded since the planner counts offloaded states (host) with the rest: on CPU they are one memory
+    return p.get("model_state_bytes", sum(p[k] for k in PARTS[:3]))
+
+
 def table(rows: list[dict]) -> list[str]:
+    unit, scale = _unit(rows)
+
+    def b(v: float | None) -> str:
+        return "" if v is None else f"{v / scale:,.1f}"
+
     lines = ["| rung | adds | params | grads | optimizer | activations | peak RSS | s/step (spread) | tokens/step | "
              "loss | vs rung before | planned states / activations |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    prev = None
+    loss = {}  # each rung's loss: a rung compares with the one it stacks on (the ZeRO rungs: full_ckpt)
+    before = None
     for row in rows:
+        rung = next(r for r in RUNGS if r.name == row["rung"])
+        ref = rung.on or before
+        before = row["rung"] if not rung.on and row["processes"] == 1 else before
         if "param_bytes" not in row:
             lines.append(f"| {row['rung']} | {row['adds']} | {_status(row)} |||||||||| |")
             continue
+        loss[row["rung"]] = row["train_loss"]
         p = row["predicted"]
         states = sum(row[k] for k in PARTS[:3])
-        planned = sum(p[k] for k in PARTS[:3])
-        delta = "" if prev is None else f"{row['train_loss'] - prev:+.4f}"
+        planned = _planned_states(p)
+        delta = f"{row['train_loss'] - loss[ref]:+.4f}" + (f" (vs {ref})" if rung.on else "") if ref in loss else ""
         speed = (f"{row['seconds_per_step']:.3f} (±{row['step_time_spread'] / 2:.0%})"
                  if "seconds_per_step" in row else "")
+        moved = row.get("offloaded_activation_bytes")
+        # the probe counts the host copies too (on CPU, allocated in the same memory): split them out
+        act = (f"{b(row['activation_bytes'] - moved)} + {b(moved)} on host" if moved else b(row["activation_bytes"]))
         lines.append(
-            f"| {row['rung']} | {row['adds']}{' (' + row['pending'] + ')' if row.get('pending') else ''} | "
-            f"{_mib(row['param_bytes'])} | {_mib(row['grad_bytes'])} | {_mib(row['optimizer_state_bytes'])} | "
-            f"{_mib(row['activation_bytes'])} | {_mib(row['peak_memory_bytes'])} | {speed} | "
+            f"| {row['rung']} | {row['adds']} | {b(row['param_bytes'])} | {b(row['grad_bytes'])} | "
+            f"{b(row['optimizer_state_bytes'])} | {act} | {row['peak_memory_bytes'] / 2**20:,.0f} MiB | {speed} | "
             f"{row['tokens_per_step']:,.0f} | {row['train_loss']:.4f} | {delta} | "
-            f"{_mib(planned)} ({states / planned - 1:+.1%}) / {_mib(p['activation_bytes'])} |")
-        if row["processes"] == 1:
-            prev = row["train_loss"]
-    return lines
+            f"{b(planned)} ({states / planned - 1:+.1%}) / {b(p['activation_bytes'])} |")
+    return [f"Bytes in {unit} (peak RSS in MiB).", "", *lines]
 
 
 def plot(results: dict, path: Path) -> None:
@@ -171,7 +194,7 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     presets = list(results["models"])
-    fig, axes = plt.subplots(len(presets), 2, figsize=(15, 4.6 * len(presets)), squeeze=False,
+    fig, axes = plt.subplots(len(presets), 2, figsize=(15, 5.4 * len(presets)), squeeze=False,
                              gridspec_kw={"width_ratios": [3, 1.3]})
     colors = {"param_bytes": "#4c72b0", "grad_bytes": "#dd8452", "optimizer_state_bytes": "#55a868",
               "activation_bytes": "#c44e52", "other": "#d0d0d0"}
@@ -179,8 +202,13 @@ def plot(results: dict, path: Path) -> None:
              "activation_bytes": "activations saved for backward", "other": "runtime + other (to peak RSS)"}
     for (ax, tax), preset in zip(axes, presets, strict=True):
         rows = results["models"][preset]["rungs"]
+        unit, scale = _unit(rows)
         xs = range(len(rows))
-        top = max((r.get("peak_memory_bytes", 0) for r in rows), default=1) / 2**20
+        parts = [sum(r[k] or 0 for k in PARTS) / scale for r in rows if "param_bytes" in r]
+        peaks = [r["peak_memory_bytes"] / scale for r in rows if "param_bytes" in r]
+        # The runtime (Python and the libraries, ~450 MiB on CPU) dwarfs a tiny model's bytes: the axis then stops
+        # at twice the largest training bytes and each bar's peak RSS is written on it, the runtime cut.
+        top = max(peaks) if max(peaks) < 3 * max(parts) else 2 * max(parts)
         for i, row in enumerate(rows):
             if "param_bytes" not in row:
                 label = "refused" if "refused" in row else "failed" if "failed" in row else "pending"
@@ -189,17 +217,25 @@ def plot(results: dict, path: Path) -> None:
                 continue
             bottom = 0.0
             for k in PARTS:
-                v = (row[k] or 0) / 2**20
+                v = (row[k] or 0) / scale
                 ax.bar(i, v, bottom=bottom, color=colors[k], label=names[k] if i == 0 else None)
                 bottom += v
-            other = max(0.0, row["peak_memory_bytes"] / 2**20 - bottom)
+            other = max(0.0, row["peak_memory_bytes"] / scale - bottom)
             ax.bar(i, other, bottom=bottom, color=colors["other"], label=names["other"] if i == 0 else None)
-            if row.get("pending"):
-                ax.text(i, bottom + other, "offload\npending", ha="center", va="bottom", fontsize=7)
+            if bottom + other > top:
+                ax.text(i, top * 0.97, f"peak\n{row['peak_memory_bytes'] / 2**20:,.0f}\nMiB", ha="center",
+                        va="top", fontsize=6.5)
+            moved = row.get("offloaded_activation_bytes")
+            if moved:
+                ax.text(i, bottom, f"{moved / scale:,.0f} {unit}\nmoved\nto host", ha="center", va="bottom",
+                        fontsize=6.5)
+        ax.set_ylim(0, top)
         ax.set_xticks(list(xs), [r["rung"] for r in rows], rotation=45, ha="right")
-        ax.set_ylabel("MiB (rank 0 for ZeRO)")
-        ax.set_title(f"{MODELS.get(preset, preset)}: each rung adds one technique to the one before")
-        ax.legend(fontsize=8, loc="upper right")
+        ax.set_ylabel(f"{unit} (rank 0 for ZeRO)")
+        block = results["models"][preset]
+        ax.set_title(f"{MODELS.get(preset, preset)}, batch {block.get('batch', results['batch'])} x "
+                     f"{block.get('seq', results['seq'])} tokens: each rung adds one technique to the one before")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=5)  # below: not over a bar
         secs = [r.get("seconds_per_step", 0) for r in rows]
         tax.barh(list(xs), secs, color=["#8172b2" if s else "#ffffff" for s in secs])
         for i, r in enumerate(rows):
@@ -209,8 +245,8 @@ def plot(results: dict, path: Path) -> None:
         tax.invert_yaxis()
         tax.set_xlabel("seconds per step (median of repeats)")
         tax.set_title("step time")
-    fig.suptitle(f"Technique ladder, measured on {results['machine']['cores']} CPU cores (shared), "
-                 f"batch {results['batch']} x {results['seq']} tokens", fontsize=11)
+    fig.suptitle(f"Technique ladder, measured on {results['machine']['cores']} CPU cores, "
+                 "one process unless named", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -225,35 +261,41 @@ def write_doc(results: dict, path: Path, planner_text: str) -> None:
         "is the rung before plus one `recipes/combined.py` flag (the flags of every rung: "
         "`shared/tools/ladder.py` RUNGS, and `flags` in docs/results/ladder.json), on the same model, data (the "
         "built-in causal-LM text), seed and steps. Measured by `python benchmarks/ladder.py` "
-        f"({results['wall_s'] / 60:.1f} min wall time on this machine, shared with six other jobs while it ran).",
+        f"({results['wall_s'] / 60:.1f} min wall time on this machine; load average "
+        f"{results.get('load_average', float('nan')):.2f} before it started, nothing else running).",
         "",
         "![ladder](results/ladder.png)",
         "",
         f"Machine: {m['cores']} CPU cores ({m['cpu']}), no GPU, torch {m['torch']} CPU, gloo, transformers "
-        f"{m['transformers']}, accelerate {m['accelerate']}; {m['date']}. Batch {results['batch']} x "
-        f"{results['seq']} tokens, the steps below (the first is warm-up, not timed), no dropout, no "
+        f"{m['transformers']}, accelerate {m['accelerate']}; {m['date']}. The batch and "
+        f"the steps below (the first is warm-up, not timed), no dropout, no "
         "clipping (the optimizer step in backward cannot clip), learning rate 1e-3. One-process rungs: "
         f"{results['threads']} threads; ZeRO rungs: 2 processes of {max(1, results['threads'] // 2)} thread.",
         "",
         "How to read it:",
-        "- params, grads, optimizer: bytes on live tensors after the first optimizer step (shared/core/measure.py; "
+        "- params, grads, optimizer: bytes on live tensors (in KiB for the tiny model, MiB for GPT-2) after the "
+        "first optimizer step (shared/core/measure.py; "
         "ZeRO: rank 0's partition; the optimizer step in backward: the most gradient bytes alive in any hook). "
         "activations: the bytes the first forward (and the loss) leaves alive for backward, counted on the op "
         "outputs (`--measure_activations`, shared/techniques/probes.py `forward_kept_bytes`: autograd's saved "
         "tensors, checkpoint inputs, selective checkpointing's cache; autocast's bf16 weight copies included). "
+        "With activation offloading: the bytes left on the device + the bytes moved to host memory (the probe "
+        "counts both: on CPU the host copy is made in the same memory, so the total stays). "
         "peak RSS: the process's high-water mark (VmHWM), the Python runtime included, so on the tiny model it is "
         "mostly runtime.",
         "- s/step: the median over interleaved repeats of each run's mean step time, ± half the spread (max - min) "
         "as a share of the median. The machine was shared: read ratios between neighbouring rungs, not the "
         "absolute seconds; CPU timings do not transfer to a GPU (bf16 is slower than fp32 on this CPU, where a "
         "GPU's tensor cores make it about 2x faster).",
-        "- loss: the last step's loss; vs rung before: its change against the one-process rung above. Packing "
+        "- loss: the last step's loss; vs rung before: its change against the rung it stacks on (the one above; "
+        "the ZeRO rungs: full_ckpt, whose flags they keep). Packing "
         "changes what a step trains on (more real tokens per step), so its loss is not the rung before's.",
         "- planned: shared/tools/plan.py's model-state bytes (params + grads + optimizer) for the same run, and its "
         "difference from the measured ones, and its activation bytes (CPU kernels). tests/test_ladder.py holds "
-        "the tiny model's planned model states within 5% of the measured ones at every one-process rung. On the ZeRO "
-        "rungs the planner's bf16 gradients include an fp32 gradient partition (as DeepSpeed's own estimator counts "
-        "it) that rank 0 does not hold after the step here: those rows are over by the difference. Its activations "
+        "the planned model states within 5% of the measured ones at every rung of both models, the ZeRO rungs "
+        "(rank 0) included: DeepSpeed's fp32 gradient partition is built in step() and freed after it, so the "
+        "planner counts it in the peak, not in the gradients; with offload the planner's host bytes are measured "
+        "with the rest (on CPU host and device are one memory). Its activations "
         "include, under checkpointing, the block recomputed in backward (not alive after forward, so not measured), "
         "and assume full-length sequences where the unpacked rungs pad only to the longest in the batch.",
         "",
@@ -261,13 +303,17 @@ def write_doc(results: dict, path: Path, planner_text: str) -> None:
     for preset, block in results["models"].items():
         lines += [f"## {MODELS.get(preset, preset)} (`--model_preset {preset}`, "
                   f"{block['num_params'] / 1e6:,.1f}M parameters)", "",
+                  f"Batch {block.get('batch', results['batch'])} x {block.get('seq', results['seq'])} tokens, "
                   f"{block['steps']} steps, {block['repeats']} interleaved repeat(s), "
                   f"{block['wall_s'] / 60:.1f} min wall time.", "", *table(block["rungs"]), ""]
     for preset in MODELS:
         if preset not in results["models"]:
-            lines += [f"## {MODELS[preset]} (`--model_preset {preset}`): not measured yet", "",
-                      "The shared machine ran one model's ladder in the time this run had (about 1 to 4 minutes a "
-                      "rung under the load of six other jobs). Measure it, keeping the rows above: "
+            lines += [f"## {MODELS[preset]} (`--model_preset {preset}`): not measured on this machine", "",
+                      "Its bf16 rungs are too slow on this CPU, which has no bf16 matrix units: at batch 2 x 64, "
+                      "fp32 took 1.85 s a step, bf16 autocast 10.5 s and bf16 packed 72.9 s (2026-12-02, the "
+                      "first three rungs, one timed step each, the machine partly shared with a test run), so its "
+                      "16 rungs would take well over an hour against the 30 minutes this benchmark has. On a "
+                      "machine with a GPU (or a CPU with AMX): "
                       f"`python benchmarks/ladder.py --presets {preset} --keep_other_models`. The planner's ladder "
                       "for GPT-2 124M on one 80 GB GPU is at the end of this page.", ""]
     lines += [
@@ -311,12 +357,18 @@ def main(argv_: list[str] | None = None) -> dict:
     ap.add_argument("--work_dir", default="/tmp/ladder-runs")
     ap.add_argument("--keep_other_models", action="store_true",
                     help="Keep the rows of models not in --presets from the existing ladder.json.")
+    ap.add_argument("--render", action="store_true",
+                    help="Only rewrite docs/ladder.md and the picture from the existing ladder.json.")
     a = ap.parse_args(argv_)
-    rungs = tuple(r for r in RUNGS if a.rungs is None or r.name in a.rungs)
-    results = {"machine": machine(), "steps": a.steps, "batch": a.batch, "seq": a.seq, "repeats": a.repeats,
-               "threads": a.threads, "models": {}}
     out = Path(a.output_dir)
     old = out / "results" / "ladder.json"
+    if a.render:
+        results = json.loads(old.read_text())
+        report(results, out)
+        return results
+    rungs = tuple(r for r in RUNGS if a.rungs is None or r.name in a.rungs)
+    results = {"machine": machine(), "steps": a.steps, "batch": a.batch, "seq": a.seq, "repeats": a.repeats,
+               "threads": a.threads, "load_average": os.getloadavg()[0], "models": {}}
     if a.keep_other_models and old.exists():  # the other models' rows as recorded (e.g. another --repeats)
         results["models"] = {k: v for k, v in json.loads(old.read_text())["models"].items() if k not in a.presets}
     for preset in a.presets:  # the report is rewritten after each model: a stopped run keeps the models done
@@ -325,7 +377,8 @@ def main(argv_: list[str] | None = None) -> dict:
         t_model = time.perf_counter()
         rows = ladder(preset, rungs, Path(a.work_dir), a.steps, a.batch, a.seq, a.repeats, a.threads)
         results["models"][preset] = {"num_params": spec.num_params, "rungs": rows, "repeats": a.repeats,
-                                     "steps": a.steps, "wall_s": time.perf_counter() - t_model}
+                                     "steps": a.steps, "batch": a.batch, "seq": a.seq,
+                                     "wall_s": time.perf_counter() - t_model}
         results["wall_s"] = sum(b.get("wall_s", 0) for b in results["models"].values())
         report(results, out)
     return results

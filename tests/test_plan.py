@@ -79,14 +79,16 @@ def test_zero_paper_figures():
 
 def test_planner_deepspeed_rows_follow_the_paper():
     """The planner's ZeRO rows: 2+2+12 bytes/param divided as in the paper, plus DeepSpeed's fp32 gradient
-    partition (4/N bytes/param, as deepspeed's own estimator counts it)."""
+    partition (4/N bytes/param, as deepspeed's own estimator counts it) among the step's buffers: DeepSpeed builds it
+    in step() and frees it after."""
     spec = _spec("causal-lm", "base")
     psi, n = spec.num_params, 8
     for tech in plan.TECHNIQUES:
         if tech.sharding.startswith("zero") and tech.offload == "none":
             p = plan.predict(spec, tech, "bf16", n, 1, 8)
             stage = int(tech.sharding[-1])
-            assert p.model_states == pytest.approx(plan.zero_model_state_bytes(psi, n, stage) + 4 * psi / n)
+            assert p.model_states == pytest.approx(plan.zero_model_state_bytes(psi, n, stage))
+            assert p.buffers >= 4 * psi / n
 
 
 def test_nf4_about_half_a_byte_per_parameter():
@@ -147,8 +149,8 @@ def test_offload_moves_states_to_host():
     z3 = plan.predict(spec, by["zero3"], "bf16", 4, 1, 8)
     off = plan.predict(spec, by["zero3_offload"], "bf16", 4, 1, 8)
     nvme = plan.predict(spec, by["zero3_nvme"], "bf16", 4, 1, 8)
-    assert off.weights == off.optimizer == 0
-    assert off.host == pytest.approx(z3.weights + z3.optimizer + 4 * spec.num_params / 4)
+    assert off.weights == off.grads == off.optimizer == 0  # ZeRO-3 offload: every partition on the host
+    assert off.host == pytest.approx(z3.weights + z3.grads + z3.optimizer + 4 * spec.num_params / 4)
     assert nvme.nvme > 0 and nvme.host < off.host
     lora = plan.predict(spec, by["qlora_4bit"], "bf16", 1, 1, 8)
     # all-linear adapters: under 1% of the parameters train; NF4 blocks (0.52 B/param) + the embeddings, which

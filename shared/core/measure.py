@@ -53,6 +53,9 @@ def _walk(obj: object, path: str, seen_objs: set[int], depth: int = 0) -> Iterat
     seen_objs.add(id(obj))
     if isinstance(obj, torch.Tensor):
         yield path, obj
+        # ZeRO-Offload keeps its fp32 gradient partition as the .grad of the fp32 partition, between steps too
+        if obj.grad is not None:
+            yield f"{path}.grad", obj.grad
         return
     if isinstance(obj, dict):
         for k, v in obj.items():

@@ -868,7 +868,8 @@ class Prediction:
     optimizer: float = 0.0
     activations: float = 0.0
     buffers: float = 0.0  # gathered shards, optimizer temporaries, logits at the loss
-    host: float = 0.0  # per process, offloaded states
+    host: float = 0.0  # per process, offloaded states (and offloaded activations: host_activations of it)
+    host_activations: float = 0.0
     nvme: float = 0.0  # per process
     trainable: int = 0
     notes: list[str] = field(default_factory=list)
@@ -881,6 +882,12 @@ class Prediction:
     @property
     def model_states(self) -> float:
         return self.weights + self.grads + self.optimizer
+
+    @property
+    def states_anywhere(self) -> float:
+        """Params, gradients and optimizer state on the device and the host: what a CPU run holds, where the two
+        are one memory."""
+        return self.model_states + self.host - self.host_activations
 
     @property
     def device_peak(self) -> float:
@@ -1013,22 +1020,27 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
         # DeepSpeed keeps 16-bit (or fp32) weights and gradients, and inside the optimizer an fp32 copy of its
         # partition beside m and v: K=12 in fp32 too (ZeRO clones the partition even when the model is fp32;
         # measured: optimizer state 1.50x the 8 bytes/param of AdamW alone, ZeRO-2, 2 processes). Plus, in mixed
-        # precision, as its own estimator counts, an fp32 gradient partition for the optimizer.
+        # precision, as its own estimator counts, an fp32 gradient partition for the optimizer: built in step() and
+        # freed after it (measured: not alive between steps), so a buffer in the peak, not a held gradient; with
+        # offload it is allocated once on the host and kept.
         w = 2 if half else wb
         k = 12
         p.trainable = psi
         shard_w, shard_g, shard_o = (n if stage >= 3 else 1), (n if stage >= 2 else 1), n
         p.weights = w * psi / shard_w
-        p.grads = w * psi / shard_g + (4 * psi / n if half else 0)
+        p.grads = w * psi / shard_g
+        fp32_grads = 4 * psi / n if half else 0
         p.optimizer = k * psi / shard_o
         if tech.optimizer == "adamw_bnb_8bit":  # bitsandbytes steps DeepSpeed's fp32 partitions: 8-bit moments
             p.optimizer = 4 * psi / shard_o + adam_state_bytes([math.ceil(psi / shard_o)], eight_bit=True)
         p.activations = act.saved  # DeepSpeed casts the model itself: no autocast copies (weights16)
         if stage == 3:
             p.buffers += 2 * w * max(spec.layer_params, max(numels))  # gathered block + the prefetched one
-        if tech.offload != "none":
-            off = p.optimizer + (4 * psi / n if half else 0)
-            p.optimizer, p.grads = 0.0, p.grads - (4 * psi / n if half else 0)
+        if tech.offload == "none":
+            p.buffers += fp32_grads
+        else:
+            off = p.optimizer + fp32_grads
+            p.optimizer = 0.0
             if tech.offload == "nvme":
                 p.nvme += off
                 p.host += 4 * psi / n  # pinned swap buffers, about one fp32 partition
@@ -1042,6 +1054,9 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
             p.weights = 0.0
         if tech.offload != "none" and stage < 3:
             p.grads = w * psi  # ZeRO-Offload keeps the 16-bit gradients on the device
+        elif tech.offload != "none":  # ZeRO-3's gradient partitions live on the optimizer's device: the host
+            p.host += p.grads
+            p.grads = 0.0
     else:
         # Accelerate: weights, gradients and torch AdamW's moments in the parameters' dtype (fp32 for the presets and
         # fp32 checkpoints; FSDP2 upcasts a 16-bit checkpoint to fp32 masters under mixed precision); autocast's
@@ -1084,6 +1099,7 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
         moved = offloaded_activation_bytes(spec, act, batch, seq, tech.act_offload, precision, weights16)
         p.activations -= moved
         p.host += moved
+        p.host_activations += moved
     if tech.checkpointing:
         p.activations += act.layer  # one block recomputed at a time in backward
     if tech.splits_sequence:
