@@ -146,11 +146,6 @@ def _status(row: dict) -> str:
     return row.get("pending", "")
 
 
-def _planned_states(p: dict) -> float:
-    # recorded since the planner counts offloaded states (host) with the rest: on CPU they are one memory
-    return p.get("model_state_bytes", sum(p[k] for k in PARTS[:3]))
-
-
 def table(rows: list[dict]) -> list[str]:
     unit, scale = _unit(rows)
 
@@ -172,7 +167,7 @@ def table(rows: list[dict]) -> list[str]:
         loss[row["rung"]] = row["train_loss"]
         p = row["predicted"]
         states = sum(row[k] for k in PARTS[:3])
-        planned = _planned_states(p)
+        planned = p["model_state_bytes"]  # offloaded states included: on CPU host and device are one memory
         delta = f"{row['train_loss'] - loss[ref]:+.4f}" + (f" (vs {ref})" if rung.on else "") if ref in loss else ""
         speed = (f"{row['seconds_per_step']:.3f} (±{row['step_time_spread'] / 2:.0%})"
                  if "seconds_per_step" in row else "")
