@@ -122,8 +122,7 @@ def ladder(preset: str, rungs: tuple[Rung, ...], out: Path, steps: int, batch: i
         p = predict_rung(spec, stacked(rung.name), rung.config, batch, seq, kernels="cpu")
         # On CPU the host and the device are one memory: the offloaded states are measured with the rest
         row["predicted"] = {"param_bytes": p.weights, "grad_bytes": p.grads, "optimizer_state_bytes": p.optimizer,
-                            "host_state_bytes": p.host - p.host_activations, "model_state_bytes": p.states_anywhere,
-                            "activation_bytes": p.activations, "host_activation_bytes": p.host_activations,
+                            "model_state_bytes": p.states_anywhere, "activation_bytes": p.activations,
                             "peak_memory_bytes": p.device_peak + p.host + CPU_RUNTIME_BYTES}
         rows.append(row)
     return rows
@@ -279,7 +278,7 @@ def write_doc(results: dict, path: Path, planner_text: str) -> None:
         "peak RSS: the process's high-water mark (VmHWM), the Python runtime included, so on the tiny model it is "
         "mostly runtime.",
         "- s/step: the median over interleaved repeats of each run's mean step time, ± half the spread (max - min) "
-        "as a share of the median. The machine was shared: read ratios between neighbouring rungs, not the "
+        "as a share of the median. Read ratios between neighbouring rungs, not the "
         "absolute seconds; CPU timings do not transfer to a GPU (bf16 is slower than fp32 on this CPU, where a "
         "GPU's tensor cores make it about 2x faster).",
         "- loss: the last step's loss; vs rung before: its change against the rung it stacks on (the one above; "
@@ -287,7 +286,7 @@ def write_doc(results: dict, path: Path, planner_text: str) -> None:
         "changes what a step trains on (more real tokens per step), so its loss is not the rung before's.",
         "- planned: shared/tools/plan.py's model-state bytes (params + grads + optimizer) for the same run, and its "
         "difference from the measured ones, and its activation bytes (CPU kernels). tests/test_ladder.py holds "
-        "the planned model states within 5% of the measured ones at every rung of both models, the ZeRO rungs "
+        "the planned model states within 5% of the measured ones at every rung of each model measured, the ZeRO rungs "
         "(rank 0) included: DeepSpeed's fp32 gradient partition is built in step() and freed after it, so the "
         "planner counts it in the peak, not in the gradients; with offload the planner's host bytes are measured "
         "with the rest (on CPU host and device are one memory). Its activations "
