@@ -23,6 +23,7 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs, TorchDynam
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import quiet, rules, rundir
+from .errors import RecipeError
 from .args import FROM_SCRATCH_LR, PRETRAINED_LR
 from .fsdp_cpu import force_fsdp_on_cpu
 
@@ -42,6 +43,11 @@ def entrypoint(main: Callable[..., dict | None]) -> Callable[..., dict | None]:
             if not error_file:
                 return main(argv)
             return record(main)(argv)
+        except RecipeError as exc:  # the message alone, as SystemExit(message) shows it; `raise` keeps the cause
+            if not error_file:
+                raise SystemExit(str(exc)) from exc
+            _write_refusal(error_file, str(exc))
+            raise SystemExit(1) from None
         except SystemExit as exc:
             if not error_file or not isinstance(exc.code, str):
                 raise
