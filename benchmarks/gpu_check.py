@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -118,6 +119,15 @@ def verdict(check: dict, results: dict | None, cuda: bool) -> str | None:
     return None
 
 
+def root_cause(stderr: str, returncode: int) -> str:
+    """The recipe's own error line: under `accelerate launch` the last line is the launcher's CalledProcessError,
+    which names the command, not what went wrong (the first GPU run reported nothing else for 5 failures)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", line)
+              and not line.startswith(("subprocess.CalledProcessError", "torch.distributed.elastic"))]
+    return (errors or lines or [f"exit code {returncode}"])[-1][:300]
+
+
 def run_recipe_check(check: dict, out: Path, cuda: bool) -> dict:
     work = out / check["name"].replace(" ", "_").replace(",", "")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -128,8 +138,7 @@ def run_recipe_check(check: dict, out: Path, cuda: bool) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     results = json.loads((work / "results.json").read_text()) if (work / "results.json").exists() else None
-    problem = verdict(check, results, cuda) if proc.returncode == 0 else (
-        (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1][:300])
+    problem = verdict(check, results, cuda) if proc.returncode == 0 else root_cause(proc.stderr, proc.returncode)
     return {"name": check["name"], "ok": problem is None, "problem": problem, "wall_s": round(
         time.perf_counter() - t0, 1), "compute_dtype": (results or {}).get("compute_dtype"),
             "train_loss": (results or {}).get("train_loss"), "command": " ".join(cmd[3:])}
