@@ -757,7 +757,7 @@ def copied_lines() -> dict[str, tuple[int, int, int]]:
 
 
 def lines_table() -> str:
-    """The README's table of copied lines, as markdown."""
+    """docs/layout.md's table of copied lines, as markdown."""
     rows = ["| recipe | recipe | spine (`core/`) | techniques | in all |", "|---|---:|---:|---:|---:|"]
     rows += [f"| `{r}` | {a} | {b} | {c} | {a + b + c} |" for r, (a, b, c) in copied_lines().items()]
     return "\n".join(rows)
