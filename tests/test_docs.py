@@ -69,10 +69,20 @@ def test_relative_links_point_to_files():
         for target in LINK.findall(text):
             if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
                 continue  # http(s):, mailto:, an anchor in the same page
-            path = target.split("#", 1)[0]
-            if not (page.parent / path).exists():
+            path, _, anchor = target.partition("#")
+            file = page.parent / path
+            if not file.exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
-    assert not broken, "links to missing files:\n" + "\n".join(broken)
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "links to missing files or headings:\n" + "\n".join(broken)
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    headings = re.findall(r"(?m)^#{1,6} +(.+?) *$", text)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
 
 
 def test_docs_index_lists_every_page():
