@@ -743,7 +743,7 @@ def summary(c: Copy) -> str:
 
 def copied_lines() -> dict[str, tuple[int, int, int]]:
     """recipe -> lines of its copied recipe file, of the copied spine (recipe_core/ but its techniques/) and of the
-    copied technique modules, as the copy command writes them (the README's table of what a copy weighs)."""
+    copied technique modules, as the copy command writes them (docs/layout.md's table of what a copy weighs)."""
     import tempfile
 
     out = {}
