@@ -447,7 +447,7 @@ def test_a_copied_baseline_carries_the_spine_alone(tmp_path):
     assert sum(1 for text in core.values() for line in text.splitlines() if line.strip()) <= 3600
 
 
-def test_copied_lines_and_the_readme_table():
+def test_copied_lines_and_the_layout_table():
     lines = copied_lines()
     assert set(lines) == set(recipe_names())
     recipe, spine, techniques = lines["baseline"]
@@ -455,9 +455,9 @@ def test_copied_lines_and_the_readme_table():
     assert recipe == len((ROOT / "recipes" / "baseline.py").read_text().splitlines()) > 0
     assert spine + techniques == _core_lines(c) > 0 and techniques == 0
     assert lines["zero3_offload"][2] > 0 and lines["zero3_offload"][1] == spine  # a technique module more
-    readme = (ROOT / "README.md").read_text()
-    table = readme.split("<!-- copied-lines -->\n", 1)[1].split("<!-- /copied-lines -->", 1)[0].strip()
-    assert table == lines_table(), "README's copied-lines table is stale: python -m shared.tools.cp --lines"
+    page = (ROOT / "docs" / "layout.md").read_text()
+    table = page.split("<!-- copied-lines -->\n", 1)[1].split("<!-- /copied-lines -->", 1)[0].strip()
+    assert table == lines_table(), "docs/layout.md's copied-lines table is stale: python -m shared.tools.cp --lines"
 
 
 def test_requirements_are_what_the_copy_imports(tmp_path):

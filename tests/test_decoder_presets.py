@@ -1,6 +1,6 @@
 """The decoder presets (tiny-llama, tiny-moe) in every recipe: the committed table (benchmarks/decoder_presets.py,
-docs/decoder_presets.md) covers each recipe that serves a causal LM, every cell trained or refused by the rule table
-in the words the table gives today; a mixture of experts' router loss is part of the loss the recipes train on."""
+docs/results/decoder_presets.md) covers each recipe that serves a causal LM, every cell trained or refused by the rule
+table in the words the table gives today; a mixture of experts' router loss is part of the loss the recipes train on."""
 
 from __future__ import annotations
 

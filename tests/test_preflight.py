@@ -51,8 +51,8 @@ def test_training_does_not_import_the_tools(tmp_path):
     assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr[-3000:]
 
 
-# The recipe each launch config is preflighted with: one that trains under it (docs/launch_grid.md), the one the
-# config's header names where it names one. zero3.yaml runs the README's own example.
+# The recipe each launch config is preflighted with: one that trains under it (docs/results/launch_grid.md), the one the
+# config's header names where it names one. zero3.yaml runs docs/layout.md's example.
 PREFLIGHT = {
     "bf16.yaml": ("mixed_precision", []), "fp16.yaml": ("gradient_accumulation", []),
     "single_process.yaml": ("baseline", []), "multi_cpu.yaml": ("data_parallel", []),

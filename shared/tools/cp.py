@@ -743,7 +743,7 @@ def summary(c: Copy) -> str:
 
 def copied_lines() -> dict[str, tuple[int, int, int]]:
     """recipe -> lines of its copied recipe file, of the copied spine (recipe_core/ but its techniques/) and of the
-    copied technique modules, as the copy command writes them (the README's table of what a copy weighs)."""
+    copied technique modules, as the copy command writes them (docs/layout.md's table of what a copy weighs)."""
     import tempfile
 
     out = {}
@@ -757,7 +757,7 @@ def copied_lines() -> dict[str, tuple[int, int, int]]:
 
 
 def lines_table() -> str:
-    """The README's table of copied lines, as markdown."""
+    """docs/layout.md's table of copied lines, as markdown."""
     rows = ["| recipe | recipe | spine (`core/`) | techniques | in all |", "|---|---:|---:|---:|---:|"]
     rows += [f"| `{r}` | {a} | {b} | {c} | {a + b + c} |" for r, (a, b, c) in copied_lines().items()]
     return "\n".join(rows)
