@@ -10,8 +10,6 @@ import json
 import logging
 import os
 import shutil
-import signal
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -113,15 +111,16 @@ def saved_run(directory: Path) -> dict:
 
 
 def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, keep: int | None = None,
-                    final: Path | None = None, background: bool = False) -> Path:
+                    final: Path | None = None, background: bool = False, writes=None) -> Path:
     """Model, optimizer, scheduler, scaler and RNG states (Accelerate), plus where the data stood and the run.
 
     Written under a temporary name, hashed into a manifest, then renamed: a run killed mid-save never leaves a
     checkpoint that looks whole. `keep`: how many of this run's newest checkpoints to keep (another run's, in the
     same directory, are never deleted). `final`: another place than checkpoints/step_N (the divergence guard's).
     `background` (--async_checkpoint, techniques/async_checkpoint.py): training goes on while the shards are written.
+    `writes`: the run's AsyncCheckpoints (--async_checkpoint; None without), whose checkpoint in flight is completed
+    first.
     """
-    writes = launch.checkpoint_writes  # --async_checkpoint: the previous checkpoint written and complete first
     if writes is not None:
         writes.wait()
     root = checkpoints_root(launch.output_dir)
@@ -169,23 +168,15 @@ def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, 
     return final
 
 
-def maybe_save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int) -> None:
-    """Every --checkpointing_steps optimizer steps and at the last, and at once after SIGTERM/SIGINT: then the run
-    exits with 128 + the signal, unless the step was its last, when it finishes (the model, evaluation, results)."""
-    args, signum = launch.args, launch.preemption.signal(accelerator.num_processes)
-    last = step == launch.max_train_steps
-    if (args.checkpointing_steps and (step % args.checkpointing_steps == 0 or last)) or (signum and not last):
-        path = save_checkpoint(accelerator, launch, step, micro_batches, keep=args.save_total_limit,
-                               background=launch.checkpoint_writes is not None and not (last or signum))
-    if signum and last:
-        logger.warning("%s received at the last step: finishing the run (the model first, then the evaluation)",
-                       signal.Signals(signum).name)
-    elif signum:
-        name = signal.Signals(signum).name
-        logger.warning("%s received: saved %s at step %d; continue with --resume_from_checkpoint latest",
-                       name, path, step)
-        accelerator.end_training()
-        sys.exit(128 + signum)
+def maybe_save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, max_steps: int,
+                          writes=None) -> None:
+    """Every --checkpointing_steps optimizer steps and at the last (`max_steps`, the recipe's). `writes`: the run's
+    AsyncCheckpoints under --async_checkpoint (written in the background, but the last). SIGTERM/SIGINT are the
+    recipe's own line (launch.Preemption.check)."""
+    every, last = launch.args.checkpointing_steps, step == max_steps
+    if every and (step % every == 0 or last):
+        save_checkpoint(accelerator, launch, step, micro_batches, keep=launch.args.save_total_limit,
+                        background=writes is not None and not last, writes=writes)
 
 
 def find_checkpoint(launch: Launch, num_processes: int) -> Path | None:
@@ -232,12 +223,21 @@ def _refuse_overwriting_another_run(launch: Launch, num_processes: int) -> None:
                              "run with its own settings and --resume_from_checkpoint latest.")
 
 
-def resume(accelerator, launch: Launch) -> tuple[int, int]:
+_resume_changes: dict = {}  # this process's resume: setting -> (saved, now), applied (written by resume() only)
+
+
+def resume_changes() -> dict:
+    """What this process's resume changed from the checkpoint's run (results.json "resume_changes")."""
+    return dict(_resume_changes)
+
+
+def resume(accelerator, launch: Launch, max_steps: int) -> tuple[int, int]:
     """Load a checkpoint into the prepared objects; returns (optimizer steps done, micro-batches consumed).
 
     A checkpoint of a run with other FIXED settings is refused before anything is loaded, naming them; a changed
-    learning rate or schedule is applied from the resumed step on, and held in launch.resume_changes."""
-    path, steps = find_checkpoint(launch, accelerator.num_processes), launch.max_train_steps
+    learning rate or schedule is applied from the resumed step on, and reported by resume_changes()."""
+    path, steps = find_checkpoint(launch, accelerator.num_processes), max_steps
+    _resume_changes.clear()
     if launch.elastic_restarts and accelerator.is_main_process:  # the budget torch elastic has left, and then what
         used, most = launch.elastic_restarts, int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
         then = ("the last one: if a process dies again, the job ends. Find why in the launcher's failure summary (rank,"
@@ -272,7 +272,7 @@ def resume(accelerator, launch: Launch) -> tuple[int, int]:
                          f"{changes['learning_rate'][0]:g}, and recipes/{launch.recipe}.py keeps its schedulers apart "
                          "from Accelerate's, so a new rate cannot be applied on resume. Resume with the old one.")
     accelerator.load_state(str(path))
-    launch.resume_changes = changes
+    _resume_changes.update(changes)
     if "learning_rate" in changes:
         # The scheduler's state brought back the old peak learning rate (base_lrs): the new one applies from here,
         # on the schedule the flags now give (transformers' schedules are LambdaLRs of the step).
@@ -281,9 +281,8 @@ def resume(accelerator, launch: Launch) -> tuple[int, int]:
             inner.base_lrs = [launch.learning_rate] * len(inner.base_lrs)
             for group, lam in zip(inner.optimizer.param_groups, inner.lr_lambdas, strict=True):
                 group["initial_lr"], group["lr"] = launch.learning_rate, launch.learning_rate * lam(inner.last_epoch)
-    if launch.resume_changes:
-        logger.warning("resumed %s with changed settings (applied from step %d): %s", path, state["step"],
-                       launch.resume_changes)
+    if changes:
+        logger.warning("resumed %s with changed settings (applied from step %d): %s", path, state["step"], changes)
     logger.info("resumed from %s at step %d", path, state["step"])
     return state["step"], consumed
 

@@ -50,6 +50,7 @@ def finish(accelerator, launch: Launch, task, model: torch.nn.Module, eval_datal
 def collect_results(accelerator, launch: Launch, task, meter, metrics: dict, extras: dict | None = None) -> dict:
     """The results.json fields: the run, the meter's measurements (before saving adds to the memory peak), metrics;
     the flags as typed and the values the launch resolved from them."""
+    from .checkpoint import resume_changes
     from .flops import run_flops
 
     args = launch.args
@@ -69,15 +70,15 @@ def collect_results(accelerator, launch: Launch, task, meter, metrics: dict, ext
         "distributed_type": accelerator.distributed_type.value,
         "mixed_precision": accelerator.mixed_precision,
         "torch_compile": launch.torch_compile,  # none | regional | full (shared/core/launch.py)
-        "max_train_steps": launch.max_train_steps,
+        "max_train_steps": meter.max_steps,
         "gradient_accumulation_steps": launch.gradient_accumulation_steps,
         "per_device_train_batch_size": launch.per_device_train_batch_size,
         "learning_rate": launch.learning_rate,
         "flags": {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
                   for k, v in sorted(vars(args).items()) if k != "explicit_flags"},  # as parsed, defaults too
         "explicit_flags": sorted(getattr(args, "explicit_flags", ())),  # what was typed
-        "resolved": launch.resolved(),  # what ran
-        "resume_changes": launch.resume_changes,  # what a resume changed from the checkpoint's run, applied
+        "resolved": {**launch.resolved(), "max_train_steps": meter.max_steps},  # what ran
+        "resume_changes": resume_changes(),  # what a resume changed from the checkpoint's run, applied
         **measured,
         **flops,  # model FLOPs per token and MFU (shared/core/flops.py); MFU only on a GPU in its peak table
         **metrics,
@@ -85,7 +86,7 @@ def collect_results(accelerator, launch: Launch, task, meter, metrics: dict, ext
         **meter.extras,
         **(extras or {}),
     }
-    accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}, step=launch.max_train_steps)
+    accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}, step=meter.max_steps)
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in results.items()}
 
 
