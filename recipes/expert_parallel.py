@@ -34,7 +34,7 @@ from shared.core.meter import Meter
 from shared.core.models import model_config
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
-from shared.core.results import collect_results, write_results
+from shared.core.results import finish
 from shared.core.tasks import load_task
 from shared.techniques import expert_parallel as ep
 from shared.techniques.async_checkpoint import async_checkpoints
@@ -111,16 +111,12 @@ def main(argv=None) -> dict:
         preemption.check(step + 1, micro_batches=step + 1)  # agreed at logging steps; saved, exits
         maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1, max_steps=max_steps, writes=writes)
 
-    with accelerator.autocast():
-        metrics = task.evaluate(model, eval_dl, accelerator)
     extras = {"expert_parallel_size": world, "data_parallel_size": world, "ep_plan": model.config.base_model_ep_plan,
               "experts_per_process": ep.num_experts(model.config) // world,
               "global_batch_size": args.per_device_train_batch_size * world, **load.report(world),
               "local_param_counts": gather_object([held])}  # per process: its shards
-    results = collect_results(accelerator, launch, task, meter, metrics, extras)
-    if not args.no_save_model:
-        ep.save_consolidated(accelerator, model, task, launch.output_dir)
-    return write_results(accelerator, launch, results)
+    with accelerator.autocast():  # the model is not Accelerate's: its evaluation autocasts here
+        return finish(accelerator, launch, task, model, eval_dl, meter, extras, save=ep.save_consolidated)
 
 
 if __name__ == "__main__":

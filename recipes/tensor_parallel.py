@@ -41,7 +41,7 @@ from shared.core.meter import Meter
 from shared.core.models import model_config, transformer_layers
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
-from shared.core.results import collect_results, write_results
+from shared.core.results import finish
 from shared.core.tasks import load_task
 from shared.techniques.async_checkpoint import async_checkpoints
 from shared.techniques.tensor_parallel import (
@@ -150,16 +150,13 @@ def main(argv=None) -> dict:
         preemption.check(step + 1, micro_batches=step + 1)  # agreed at logging steps; saved, exits
         maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1, max_steps=max_steps, writes=writes)
 
-    with accelerator.autocast():
-        metrics = task.evaluate(model, eval_dl, accelerator)
     extras = {"tensor_parallel_size": tp, "data_parallel_size": dp, "mesh": mesh.mesh.tolist(),
               "global_batch_size": args.per_device_train_batch_size * dp, "tp_plan": plan,
               "first_batch_label_sum": gather_object([meter.extras.pop("first_batch_label_sum", None)]),
               "local_param_counts": gather_object([local_param_counts(model)])}  # per process: its shards + the rest
-    results = collect_results(accelerator, launch, task, meter, metrics, extras)
-    if not args.no_save_model:
-        save_consolidated(accelerator, model, task, launch.output_dir, tp)
-    return write_results(accelerator, launch, results)
+    with accelerator.autocast():  # the model is not Accelerate's: its evaluation autocasts here
+        return finish(accelerator, launch, task, model, eval_dl, meter, extras,
+                      save=lambda acc, m, t, out: save_consolidated(acc, m, t, out, tp))  # one whole model
 
 
 if __name__ == "__main__":

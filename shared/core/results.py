@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,14 +23,17 @@ logger = logging.getLogger("recipes")
 
 
 def finish(accelerator, launch: Launch, task, model: torch.nn.Module, eval_dataloader, meter,
-           extras: dict | None = None, save: bool = True) -> dict:
+           extras: dict | None = None, save: bool | Callable = True) -> dict:
     """Save the model as safetensors (unless --no_save_model, or `save=False` for a recipe that saved another form
-    itself), evaluate, write results.json, close the trackers. Returns the results."""
-    save = save and not launch.args.no_save_model
+    itself), then evaluate, write results.json, close the trackers. Returns the results. Every recipe ends here, so
+    the model is saved before the final evaluation. `save` may be the recipe's own way to write one consolidated
+    model, `save(accelerator, model, task, output_dir)` (tensor / expert parallel shards)."""
+    writer = save if callable(save) else save_model
+    save = bool(save) and not launch.args.no_save_model
     meter.summary()  # measured before the save adds to the memory peak (results.json reads it below)
     if save:  # first: an evaluation that fails or is interrupted (Ctrl-C, a grace period's end) leaves the model
         try:
-            save_model(accelerator, model, task, launch.output_dir)
+            writer(accelerator, model, task, launch.output_dir)
         except Exception as err:
             full = rundir.disk_full(err, Path(launch.output_dir), "the trained model", "--resume_from_checkpoint "
                                     "latest then writes it from the last checkpoint (with --checkpointing_steps).")
