@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside
 
 from shared.core import rules
 from shared.core.args import COUNT, parse_args
-from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.checkpoint import Preemption, maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
-from shared.core.launch import Preemption, claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
+from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
 from shared.core.models import transformer_layers
 from shared.core.optim import optimizer_and_scheduler, total_steps

@@ -10,11 +10,17 @@ import json
 import logging
 import os
 import shutil
+import signal
+import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from . import rules, rundir
+from .accelerate_compat import prepared_models, prepared_schedulers
 
 if TYPE_CHECKING:
     from .launch import Launch
@@ -168,6 +174,74 @@ def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, 
     return final
 
 
+class Preemption:
+    """SIGTERM (a scheduler's preemption) and SIGINT, checked by a line of the recipe's loop: `check(step, ...)`.
+
+    The handler only notes the signal (a second SIGINT interrupts at once, as usual). One process acts on it at the
+    next step; several agree on it at the logging steps (every --logging_steps steps and the last), in one small
+    all-reduce, so that every process saves the same step and a step that does not log waits on no collective and no
+    host read: keep --logging_steps x the step time under the scheduler's grace period. Acting on it: the training
+    state is saved as a checkpoint and the process exits with 128 + the signal; at the run's last step the run
+    finishes instead (the model first, then the evaluation). Created by the recipe once max_steps is known."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, accelerator, launch: Launch, max_steps: int, writes: object = None) -> None:
+        self.accelerator, self.launch, self.max_steps = accelerator, launch, max_steps
+        self.writes = writes  # --async_checkpoint: the checkpoint in flight is completed before this one
+        self.local = 0  # the signal this process received (0: none)
+        self.install()
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():  # Ray Train's workers: signals are Ray's there
+            return
+        def handler(signum, _frame):
+            if signum == signal.SIGINT and self.local:
+                raise KeyboardInterrupt
+            if not self.local and os.environ.get("RANK", "0") == "0":  # said once, by one process
+                print(f"\n{signal.Signals(signum).name} received: the run saves a checkpoint at the next step and "
+                      "stops (during the final evaluation, it finishes it). Ctrl-C again stops at once.",
+                      file=sys.stderr, flush=True)
+            self.local = self.local or signum
+
+        for signum in self.SIGNALS:
+            signal.signal(signum, handler)
+        if sys.platform == "linux":
+            # `accelerate launch` of one process does not forward SIGTERM: it dies and leaves the recipe training
+            # on. Asked here, the kernel sends the recipe SIGTERM when its launcher (the parent) dies.
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+    def signal(self, step: int) -> int:
+        """The signal every process acts on after optimizer step `step` (1-based; 0 if none)."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return self.local
+        if step % self.launch.args.logging_steps and step != self.max_steps:
+            return 0
+        votes = torch.tensor([float(self.local == s) for s in self.SIGNALS], device=acc.device)
+        counts = acc.reduce(votes, "sum").tolist()  # how many processes received each of SIGNALS
+        return next((int(s) for s, n in zip(self.SIGNALS, counts, strict=True) if n), 0)
+
+    def check(self, step: int, micro_batches: int) -> None:
+        """After optimizer step `step` (1-based): on an agreed signal, save the training state and exit."""
+        signum = self.signal(step)
+        if not signum:
+            return
+        name = signal.Signals(signum).name
+        if step == self.max_steps:
+            logger.warning("%s received at the last step: finishing the run (the model first, then the evaluation)",
+                           name)
+            return
+        path = save_checkpoint(self.accelerator, self.launch, step, micro_batches,
+                               keep=self.launch.args.save_total_limit, writes=self.writes)
+        logger.warning("%s received: saved %s at step %d; continue with --resume_from_checkpoint latest",
+                       name, path, step)
+        self.accelerator.end_training()
+        sys.exit(128 + signum)
+
+
 def maybe_save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, max_steps: int,
                           writes=None) -> None:
     """Every --checkpointing_steps optimizer steps and at the last (`max_steps`, the recipe's). `writes`: the run's
@@ -246,7 +320,7 @@ def resume(accelerator, launch: Launch, max_steps: int) -> tuple[int, int]:
         logger.warning("torch elastic restart %d of %d (a process died; all were restarted), resuming from %s: %s.",
                        used, most, path or "step 0 (no complete checkpoint; --checkpointing_steps N writes them)", then)
     if accelerator.is_main_process and not launch.args.no_save_model:  # the final model's room, before any step
-        params = [p for m in accelerator._models for p in m.parameters()]
+        params = [p for m in prepared_models(accelerator) for p in m.parameters()]
         needed = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params)  # ZeRO-3: its full size
         rundir.check_room(Path(launch.output_dir), needed, "the final model", "nothing has trained yet.")
     if path is None:
@@ -267,7 +341,7 @@ def resume(accelerator, launch: Launch, max_steps: int) -> tuple[int, int]:
                        "from it", path, steps)
     changes = differences(saved, run, CHANGEABLE)
     # A recipe that checkpoints its own schedulers (pipeline stages) cannot take a new rate: refused before loading.
-    if "learning_rate" in changes and not accelerator._schedulers:  # Accelerate has no public accessor for them
+    if "learning_rate" in changes and not prepared_schedulers(accelerator):
         raise SystemExit(f"--learning_rate {launch.learning_rate:g}: {path} was trained at "
                          f"{changes['learning_rate'][0]:g}, and recipes/{launch.recipe}.py keeps its schedulers apart "
                          "from Accelerate's, so a new rate cannot be applied on resume. Resume with the old one.")
@@ -276,7 +350,7 @@ def resume(accelerator, launch: Launch, max_steps: int) -> tuple[int, int]:
     if "learning_rate" in changes:
         # The scheduler's state brought back the old peak learning rate (base_lrs): the new one applies from here,
         # on the schedule the flags now give (transformers' schedules are LambdaLRs of the step).
-        for wrapper in accelerator._schedulers:
+        for wrapper in prepared_schedulers(accelerator):
             inner = getattr(wrapper, "scheduler", wrapper)
             inner.base_lrs = [launch.learning_rate] * len(inner.base_lrs)
             for group, lam in zip(inner.optimizer.param_groups, inner.lr_lambdas, strict=True):

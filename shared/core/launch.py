@@ -8,9 +8,6 @@ import functools
 import json
 import logging
 import os
-import signal
-import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,76 +110,6 @@ def build_dynamo_plugin(compile_mode: str) -> TorchDynamoPlugin:
     return TorchDynamoPlugin(backend="inductor", use_regional_compilation=compile_mode == "regional")
 
 
-class Preemption:
-    """SIGTERM (a scheduler's preemption) and SIGINT, checked by a line of the recipe's loop: `check(step, ...)`.
-
-    The handler only notes the signal (a second SIGINT interrupts at once, as usual). One process acts on it at the
-    next step; several agree on it at the logging steps (every --logging_steps steps and the last), in one small
-    all-reduce, so that every process saves the same step and a step that does not log waits on no collective and no
-    host read: keep --logging_steps x the step time under the scheduler's grace period. Acting on it: the training
-    state is saved as a checkpoint and the process exits with 128 + the signal; at the run's last step the run
-    finishes instead (the model first, then the evaluation). Created by the recipe once max_steps is known."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, accelerator: Accelerator, launch: Launch, max_steps: int, writes: object = None) -> None:
-        self.accelerator, self.launch, self.max_steps = accelerator, launch, max_steps
-        self.writes = writes  # --async_checkpoint: the checkpoint in flight is completed before this one
-        self.local = 0  # the signal this process received (0: none)
-        self.install()
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():  # Ray Train's workers: signals are Ray's there
-            return
-        def handler(signum, _frame):
-            if signum == signal.SIGINT and self.local:
-                raise KeyboardInterrupt
-            if not self.local and os.environ.get("RANK", "0") == "0":  # said once, by one process
-                print(f"\n{signal.Signals(signum).name} received: the run saves a checkpoint at the next step and "
-                      "stops (during the final evaluation, it finishes it). Ctrl-C again stops at once.",
-                      file=sys.stderr, flush=True)
-            self.local = self.local or signum
-
-        for signum in self.SIGNALS:
-            signal.signal(signum, handler)
-        if sys.platform == "linux":
-            # `accelerate launch` of one process does not forward SIGTERM: it dies and leaves the recipe training
-            # on. Asked here, the kernel sends the recipe SIGTERM when its launcher (the parent) dies.
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-    def signal(self, step: int) -> int:
-        """The signal every process acts on after optimizer step `step` (1-based; 0 if none)."""
-        acc = self.accelerator
-        if acc.num_processes == 1:
-            return self.local
-        if step % self.launch.args.logging_steps and step != self.max_steps:
-            return 0
-        votes = torch.tensor([float(self.local == s) for s in self.SIGNALS], device=acc.device)
-        counts = acc.reduce(votes, "sum").tolist()  # how many processes received each of SIGNALS
-        return next((int(s) for s, n in zip(self.SIGNALS, counts, strict=True) if n), 0)
-
-    def check(self, step: int, micro_batches: int) -> None:
-        """After optimizer step `step` (1-based): on an agreed signal, save the training state and exit."""
-        signum = self.signal(step)
-        if not signum:
-            return
-        name = signal.Signals(signum).name
-        if step == self.max_steps:
-            logger.warning("%s received at the last step: finishing the run (the model first, then the evaluation)",
-                           name)
-            return
-        from .checkpoint import save_checkpoint
-
-        path = save_checkpoint(self.accelerator, self.launch, step, micro_batches,
-                               keep=self.launch.args.save_total_limit, writes=self.writes)
-        logger.warning("%s received: saved %s at step %d; continue with --resume_from_checkpoint latest",
-                       name, path, step)
-        self.accelerator.end_training()
-        sys.exit(128 + signum)
-
-
 @dataclass(frozen=True)
 class Launch:
     """The run as launched: the flags as typed (`args`, never written to) and, apart from them, every value the
@@ -228,7 +155,9 @@ def resolve_launch(
     default_mixed_precision: str = "no",
     **asks: object,
 ) -> Launch:
-    """Resolve the launch, and refuse a combination that cannot train, before anything is built or loaded.
+    """Resolve the launch, and refuse a combination that cannot train, before anything is built or loaded. Pure: it
+    reads the flags, the environment and the disk, and changes none of them (the recipe then calls claim_output_dir
+    and configure_process).
 
     `args` is left as typed: the resolved values are the returned Launch's. `deepspeed_config` / `fsdp_plugin`: the
     sharding the recipe itself sets up (a DeepSpeed config from deepspeed_setup.resolve_deepspeed_config, whose
@@ -393,12 +322,13 @@ def _trackers(report_to: str | None) -> list[str] | None:
         return None
     import difflib
 
-    from accelerate.tracking import _available_trackers
     from accelerate.utils import LoggerType
+
+    from .accelerate_compat import available_trackers
 
     names = [t.strip() for t in report_to.split(",") if t.strip()]
     known = [t.value for t in LoggerType]
-    available = {str(t.value) for t in _available_trackers}
+    available = {str(t.value) for t in available_trackers()}
     for name in names:
         if name not in known:
             near = difflib.get_close_matches(name, known, n=1)
@@ -430,6 +360,7 @@ def _enable_cpu_fp16(accelerator: Accelerator) -> None:
     # torch's CPU fp16 autocast and GradScaler("cpu") do work (overflow skips and back-off observed), so we turn
     # on what Accelerate does on GPUs. It must happen before prepare(): prepare_model wraps forward in autocast
     # when native_amp is set, and prepare_optimizer hands the scaler to the optimizer wrapper.
-    accelerator.native_amp = True
+    from .accelerate_compat import enable_cpu_fp16
+
     kwargs = accelerator.scaler_handler.to_kwargs() if accelerator.scaler_handler is not None else {}
-    accelerator.scaler = torch.amp.GradScaler("cpu", **kwargs)
+    enable_cpu_fp16(accelerator, torch.amp.GradScaler("cpu", **kwargs))
