@@ -111,8 +111,7 @@ def main(argv=None) -> dict:
             loss = task.loss(model, batch, num_items)
             accelerator.backward(loss)  # DDP all-reduces (averages) the gradients during backward
             if launch.max_grad_norm:
-                norm = accelerator.clip_grad_norm_(model.parameters(), launch.max_grad_norm)
-                meter.extras.setdefault("first_step_grad_norm", norm.item())  # what other layouts must reproduce
+                accelerator.clip_grad_norm_(model.parameters(), launch.max_grad_norm)
             optimizer.step()
             scheduler.step()
             meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too

@@ -100,9 +100,7 @@ def main(argv=None) -> dict:
         with accelerator.autocast():
             loss = task.loss(model, batch, num_items / world)
             loss.backward()
-        norm = clip_grad_norm(model, launch.max_grad_norm)  # sharded gradients' squares summed over the processes
-        if step == start_step:
-            meter.extras["first_step_grad_norm"] = norm.item()
+        clip_grad_norm(model, launch.max_grad_norm)  # sharded gradients' squares summed over the processes
         optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too

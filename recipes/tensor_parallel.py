@@ -130,8 +130,6 @@ def main(argv=None) -> dict:
     model.train()
     for step in meter.steps(start_step, max_steps):
         batch = next(batches)
-        if step == start_step:  # which batch it read (once: .item() waits for the device)
-            meter.extras["first_batch_label_sum"] = batch["labels"].sum().item()
         # Normalize by the global batch's items: FSDP2 averages the groups' gradients (dp = 1: this batch's).
         num_items = task.count_items(batch).to(device)
         dist.all_reduce(num_items, group=dp_group)
@@ -139,9 +137,7 @@ def main(argv=None) -> dict:
             loss = task.loss(model, batch, num_items / dp)
             loss.backward()
         loss = plain(loss)
-        norm = clip_grad_norm(model, launch.max_grad_norm)  # sharded gradients' squares summed over the processes
-        if step == start_step:
-            meter.extras["first_step_grad_norm"] = norm.item()
+        clip_grad_norm(model, launch.max_grad_norm)  # sharded gradients' squares summed over the processes
         optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch if mesh["tp"].get_local_rank() == 0 else [])  # each batch counts once
@@ -152,7 +148,6 @@ def main(argv=None) -> dict:
 
     extras = {"tensor_parallel_size": tp, "data_parallel_size": dp, "mesh": mesh.mesh.tolist(),
               "global_batch_size": args.per_device_train_batch_size * dp, "tp_plan": plan,
-              "first_batch_label_sum": gather_object([meter.extras.pop("first_batch_label_sum", None)]),
               "local_param_counts": gather_object([local_param_counts(model)])}  # per process: its shards + the rest
     with accelerator.autocast():  # the model is not Accelerate's: its evaluation autocasts here
         return finish(accelerator, launch, task, model, eval_dl, meter, extras,
