@@ -143,8 +143,7 @@ def main(argv=None) -> dict:
                 dist.all_reduce(p.grad, group=dp_group)
         if tied is not None:
             dist.all_reduce(tied.grad, group=tie_groups[dp_rank])
-        norm = clip_global_grad_norm(stage, launch.max_grad_norm, pp_group, skip=tied if stage.is_last else None)
-        meter.extras.setdefault("first_step_grad_norm", norm)
+        clip_global_grad_norm(stage, launch.max_grad_norm, pp_group, skip=tied if stage.is_last else None)
         optimizer.step()
         scheduler.step()
         loss = torch.stack(losses).sum() if losses else torch.zeros((), device=device)

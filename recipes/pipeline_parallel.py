@@ -139,8 +139,7 @@ def main(argv=None) -> dict:
         last = {"target": batch["labels"], "losses": losses, "return_outputs": False} if stage.is_last else {}
         schedule.step(*((x,) if stage.is_first else ()), **mask, **last)  # V: process 0 holds the first and last
         sum_tied_grads(tied, tie_group)
-        norm = clip_global_grad_norm(stage, launch.max_grad_norm, skip=tied[-1] if tied and stage.is_last else None)
-        meter.extras.setdefault("first_step_grad_norm", norm)
+        clip_global_grad_norm(stage, launch.max_grad_norm, skip=tied[-1] if tied and stage.is_last else None)
         optimizer.step()
         scheduler.step()
         loss = torch.stack(losses).sum() if losses else torch.zeros((), device=device)
