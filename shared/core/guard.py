@@ -38,7 +38,7 @@ class DivergenceGuard:
         self.writes = writes  # --async_checkpoint: the checkpoint in flight is completed before the guard's
         self.skipped_history: list[bool] = []
         self._nonfinite = torch.zeros((), device=accelerator.device)  # this process's, since the last read
-        self._since = 1  # the first step of the window not read yet
+        self._since: int | None = None  # the first step of the window not read yet (a resume starts later)
 
     def check(self, step: int, loss) -> None:
         """After optimizer step `step` (0-based) whose loss is `loss`: raise SystemExit, the state saved, if it
@@ -66,6 +66,7 @@ class DivergenceGuard:
 
     def _non_finite_loss(self, step: int, loss) -> str | None:
         self._nonfinite += (~torch.isfinite(loss.detach().float())).any()
+        self._since = self._since or step
         # Read only at the logging steps: no sync on any other step.
         if step % self.launch.args.logging_steps and step != self.max_steps:
             return None
