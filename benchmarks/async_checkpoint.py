@@ -41,11 +41,10 @@ def worker(notes: Path, argv: list[str]) -> None:
     marks: list[dict] = []
     real = checkpoint.maybe_save_checkpoint
 
-    def timed(accelerator, launch, step, micro_batches):
+    def timed(accelerator, launch, step, micro_batches, max_steps, writes=None):
         start = time.perf_counter()
-        writes = launch.checkpoint_writes
         in_flight = bool(writes and writes.in_flight())
-        real(accelerator, launch, step, micro_batches)
+        real(accelerator, launch, step, micro_batches, max_steps=max_steps, writes=writes)
         marks.append({"step": step, "before": start, "after": time.perf_counter(), "in_flight_before": in_flight})
 
     checkpoint.maybe_save_checkpoint = timed  # before the recipe imports it

@@ -23,10 +23,10 @@ from accelerate.utils import DeepSpeedPlugin
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.core.args import COUNT, one_of, parse_args
-from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.checkpoint import Preemption, maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
-from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
 from shared.core.models import AUTO_CLASSES, HEAD_NAMES
 from shared.core.optim import optimizer_and_scheduler, total_steps
@@ -110,6 +110,8 @@ def main(argv=None) -> dict:
                "in_backward": "--optimizer_in_backward",
                "activation_offload": f"--activation_offloading {args.activation_offloading}",
                "checkpointing": "--gradient_checkpointing"})
+    claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
+    configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,
@@ -184,11 +186,12 @@ def main(argv=None) -> dict:
         schedule_the_optimizer_that_steps(model, scheduler)  # else, after a resume with offload, the LR freezes
     if args.lora:  # checkpoints keep the adapters: a frozen (quantized) base is rebuilt from its source
         checkpoint_trainable_only(accelerator, model)
-    start_step, consumed = resume(accelerator, launch)
+    start_step, consumed = resume(accelerator, launch, max_steps)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    stop_if_preflight(accelerator, launch, task, model, optimizer, max_steps)  # --preflight: print the run, stop
     meter = Meter(accelerator, launch, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
+    guard = DivergenceGuard(accelerator, launch, optimizer, max_steps)  # ends a diverging run, its state saved
+    preemption = Preemption(accelerator, launch, max_steps)  # SIGTERM/SIGINT: saved, then exits
     if plugin is not None:
         meter.extras.update(deepspeed_summary(accelerator, model))
         patch_zero_step_to_count_states(meter, model, optimizer)  # ZeRO frees gradients inside its own step
@@ -222,9 +225,10 @@ def main(argv=None) -> dict:
             optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
-        guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
+        guard.check(step, loss)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
+        preemption.check(step + 1, micro_batches=step + 1)  # agreed at logging steps; saved, exits
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1, max_steps=max_steps)
 
     if args.activation_offloading:
         offloader.close()

@@ -26,10 +26,10 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.core.args import COUNT, parse_args
-from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.checkpoint import Preemption, maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
-from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
 from shared.core.models import transformer_layers
 from shared.core.optim import optimizer_and_scheduler, total_steps
@@ -67,6 +67,8 @@ def main(argv=None) -> dict:
     launch = resolve_launch(args, RECIPE, stages_per_replica=args.pipeline_stages, microbatches=args.n_microbatches,
                             batch_size=args.per_device_train_batch_size,
                             flags={"stages_per_replica": "--pipeline_stages"})
+    claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
+    configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,
@@ -113,11 +115,12 @@ def main(argv=None) -> dict:
     max_steps = total_steps(launch, accelerator, train_dl, already_split=True)  # this process's own batches
     optimizer, scheduler = optimizer_and_scheduler(launch, stage, max_steps)
     checkpoint_per_process(accelerator, stage, optimizer, scheduler)  # each process saves its own stage
-    start_step, consumed = resume(accelerator, launch)
+    start_step, consumed = resume(accelerator, launch, max_steps)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, launch, task, stage, optimizer)  # --preflight: print the resolved run, stop
+    stop_if_preflight(accelerator, launch, task, stage, optimizer, max_steps)  # --preflight: print the run, stop
     meter = Meter(accelerator, launch, task, stage, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
+    guard = DivergenceGuard(accelerator, launch, optimizer, max_steps)  # ends a diverging run, its state saved
+    preemption = Preemption(accelerator, launch, max_steps)  # SIGTERM/SIGINT: saved, then exits
 
     stage.train()
     for step in meter.steps(start_step, max_steps):
@@ -140,17 +143,17 @@ def main(argv=None) -> dict:
                 dist.all_reduce(p.grad, group=dp_group)
         if tied is not None:
             dist.all_reduce(tied.grad, group=tie_groups[dp_rank])
-        norm = clip_global_grad_norm(stage, launch.max_grad_norm, pp_group, skip=tied if stage.is_last else None)
-        meter.extras.setdefault("first_step_grad_norm", norm)
+        clip_global_grad_norm(stage, launch.max_grad_norm, pp_group, skip=tied if stage.is_last else None)
         optimizer.step()
         scheduler.step()
         loss = torch.stack(losses).sum() if losses else torch.zeros((), device=device)
         dist.all_reduce(loss, group=dp_group)  # each replica's share of the global loss
         dist.broadcast(loss, src=int(mesh.mesh[dp_rank, -1]), group=pp_group)
         meter.record(step, loss, batch if stage.is_last else [])  # each sample counted once
-        guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
+        guard.check(step, loss)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
+        preemption.check(step + 1, micro_batches=step + 1)  # agreed at logging steps; saved, exits
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1, max_steps=max_steps)
 
     flat = torch.cat([p.detach().reshape(-1) for p in stage.parameters()])
     mean = flat.clone()

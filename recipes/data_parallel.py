@@ -22,10 +22,10 @@ from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKw
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.core.args import COUNT, number, parse_args
-from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.checkpoint import Preemption, maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
-from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
@@ -70,6 +70,8 @@ def main(argv=None) -> dict:
                             powersgd_start=args.powersgd_start_iter, train_steps=args.max_train_steps or 0,
                             powersgd_typed=" ".join(sorted(f"--{f}" for f in args.explicit_flags if "powersgd" in f)),
                             checkpoints=bool(args.checkpointing_steps or args.resume_from_checkpoint))
+    claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
+    configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     sent = AllreduceBytes(ddp)  # counts the bytes the hook (or LocalSGD) all-reduces
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
@@ -91,11 +93,12 @@ def main(argv=None) -> dict:
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
     sent.watch(model)  # plain DDP: torch's allreduce_hook (the same all-reduce, in Python), so it is counted too
-    start_step, consumed = resume(accelerator, launch)
+    start_step, consumed = resume(accelerator, launch, max_steps)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    stop_if_preflight(accelerator, launch, task, model, optimizer, max_steps)  # --preflight: print the run, stop
     meter = Meter(accelerator, launch, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
+    guard = DivergenceGuard(accelerator, launch, optimizer, max_steps)  # ends a diverging run, its state saved
+    preemption = Preemption(accelerator, launch, max_steps)  # SIGTERM/SIGINT: saved, then exits
 
     model.train()
     # --local_sgd_steps K: DDP's all-reduce off (no_sync), the parameters averaged every K steps and on leaving.
@@ -108,15 +111,15 @@ def main(argv=None) -> dict:
             loss = task.loss(model, batch, num_items)
             accelerator.backward(loss)  # DDP all-reduces (averages) the gradients during backward
             if launch.max_grad_norm:
-                norm = accelerator.clip_grad_norm_(model.parameters(), launch.max_grad_norm)
-                meter.extras.setdefault("first_step_grad_norm", norm.item())  # what other layouts must reproduce
+                accelerator.clip_grad_norm_(model.parameters(), launch.max_grad_norm)
             optimizer.step()
             scheduler.step()
             meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
-            guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
+            guard.check(step, loss)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
             optimizer.zero_grad(set_to_none=True)
             local_sgd.step()  # every K-th step: the parameters averaged over the processes
-            maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
+            preemption.check(step + 1, micro_batches=step + 1)  # agreed at logging steps; saved, exits
+            maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1, max_steps=max_steps)
 
     # Throughput of each process on its own slice, and of all of them together against one process.
     per_process = gather_object([meter.samples / meter.elapsed if meter.elapsed else None])

@@ -26,15 +26,15 @@ from accelerate.utils import gather_object
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.core.args import parse_args
-from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.checkpoint import Preemption, maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
-from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
 from shared.core.models import model_config
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
-from shared.core.results import collect_results, write_results
+from shared.core.results import finish
 from shared.core.tasks import load_task
 from shared.techniques import expert_parallel as ep
 from shared.techniques.async_checkpoint import async_checkpoints
@@ -52,6 +52,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__, task="causal-lm", model_preset="tiny-moe")
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE)
+    claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
+    configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,
@@ -81,12 +83,13 @@ def main(argv=None) -> dict:
     max_steps = total_steps(launch, accelerator, train_dl, already_split=True)  # this process's own batches
     optimizer, scheduler = optimizer_and_scheduler(launch, model, max_steps)
     checkpoint_dtensors(accelerator, model, optimizer, scheduler, {"ep": world, "fsdp": world})  # each its shards
-    start_step, consumed = resume(accelerator, launch)
-    launch.checkpoint_writes = async_checkpoints(args)  # --async_checkpoint: written while training goes on
+    start_step, consumed = resume(accelerator, launch, max_steps)
+    writes = async_checkpoints(args)  # --async_checkpoint: written while training goes on
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    stop_if_preflight(accelerator, launch, task, model, optimizer, max_steps)  # --preflight: print the run, stop
     meter = Meter(accelerator, launch, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
+    guard = DivergenceGuard(accelerator, launch, optimizer, max_steps, writes)  # ends a diverging run, its state saved
+    preemption = Preemption(accelerator, launch, max_steps, writes)  # SIGTERM/SIGINT: saved, then exits
 
     model.train()
     for step in meter.steps(start_step, max_steps):
@@ -97,26 +100,21 @@ def main(argv=None) -> dict:
         with accelerator.autocast():
             loss = task.loss(model, batch, num_items / world)
             loss.backward()
-        norm = clip_grad_norm(model, launch.max_grad_norm)  # sharded gradients' squares summed over the processes
-        if step == start_step:
-            meter.extras["first_step_grad_norm"] = norm.item()
+        clip_grad_norm(model, launch.max_grad_norm)  # sharded gradients' squares summed over the processes
         optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
-        guard.check(step)  # a non-finite loss: stop, state saved
+        guard.check(step, loss)  # a non-finite loss: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
+        preemption.check(step + 1, micro_batches=step + 1)  # agreed at logging steps; saved, exits
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1, max_steps=max_steps, writes=writes)
 
-    with accelerator.autocast():
-        metrics = task.evaluate(model, eval_dl, accelerator)
     extras = {"expert_parallel_size": world, "data_parallel_size": world, "ep_plan": model.config.base_model_ep_plan,
               "experts_per_process": ep.num_experts(model.config) // world,
               "global_batch_size": args.per_device_train_batch_size * world, **load.report(world),
               "local_param_counts": gather_object([held])}  # per process: its shards
-    results = collect_results(accelerator, launch, task, meter, metrics, extras)
-    if not args.no_save_model:
-        ep.save_consolidated(accelerator, model, task, launch.output_dir)
-    return write_results(accelerator, launch, results)
+    with accelerator.autocast():  # the model is not Accelerate's: its evaluation autocasts here
+        return finish(accelerator, launch, task, model, eval_dl, meter, extras, save=ep.save_consolidated)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.core.args import COUNT, parse_args
-from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.checkpoint import Preemption, maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
-from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
 from shared.core.models import transformer_layers
 from shared.core.optim import optimizer_and_scheduler, total_steps
@@ -61,6 +61,8 @@ def main(argv=None) -> dict:
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE, fsdp_plugin=fsdp_plugin, dp_replicate_size=args.dp_replicate_size or 0,
                             dp_shard_size=args.dp_shard_size or 0)
+    claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
+    configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,
@@ -84,12 +86,13 @@ def main(argv=None) -> dict:
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
-    start_step, consumed = resume(accelerator, launch)
-    launch.checkpoint_writes = async_checkpoints(args)  # --async_checkpoint: written while training goes on
+    start_step, consumed = resume(accelerator, launch, max_steps)
+    writes = async_checkpoints(args)  # --async_checkpoint: written while training goes on
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    stop_if_preflight(accelerator, launch, task, model, optimizer, max_steps)  # --preflight: print the run, stop
     meter = Meter(accelerator, launch, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
+    guard = DivergenceGuard(accelerator, launch, optimizer, max_steps, writes)  # ends a diverging run, its state saved
+    preemption = Preemption(accelerator, launch, max_steps, writes)  # SIGTERM/SIGINT: saved, then exits
 
     model.train()
     for step in meter.steps(start_step, max_steps):
@@ -104,9 +107,10 @@ def main(argv=None) -> dict:
         optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
-        guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
+        guard.check(step, loss)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
+        preemption.check(step + 1, micro_batches=step + 1)  # agreed at logging steps; saved, exits
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1, max_steps=max_steps, writes=writes)
 
     extras = {
         "fsdp_version": fsdp_plugin.fsdp_version,

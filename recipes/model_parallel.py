@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside
 
 from shared.core import rules
 from shared.core.args import COUNT, parse_args
-from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.checkpoint import Preemption, maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
-from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
 from shared.core.models import transformer_layers
 from shared.core.optim import optimizer_and_scheduler, total_steps
@@ -81,6 +81,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE)
+    claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
+    configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,
@@ -106,11 +108,12 @@ def main(argv=None) -> dict:
     model = task.model
     # Left out of prepare(), the model is left out of save_state() too: its checkpoints save and load it here.
     checkpoint_per_process(accelerator, model, optimizer, scheduler)
-    start_step, consumed = resume(accelerator, launch)
+    start_step, consumed = resume(accelerator, launch, max_steps)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    stop_if_preflight(accelerator, launch, task, model, optimizer, max_steps)  # --preflight: print the run, stop
     meter = Meter(accelerator, launch, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
+    guard = DivergenceGuard(accelerator, launch, optimizer, max_steps)  # ends a diverging run, its state saved
+    preemption = Preemption(accelerator, launch, max_steps)  # SIGTERM/SIGINT: saved, then exits
 
     model.train()
     for step in meter.steps(start_step, max_steps):
@@ -123,9 +126,10 @@ def main(argv=None) -> dict:
         optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch)  # before zero_grad: the gradients are counted too
-        guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
+        guard.check(step, loss)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
+        preemption.check(step + 1, micro_batches=step + 1)  # agreed at logging steps; saved, exits
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1, max_steps=max_steps)
 
     in_blocks = {id(p) for p in blocks.parameters()}
     rest = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)  # embeddings and head: stage 0

@@ -16,10 +16,10 @@ from accelerate import Accelerator, DataLoaderConfiguration
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.core.args import parse_args
-from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.checkpoint import Preemption, maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
-from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
@@ -39,6 +39,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__, max_grad_norm=0.0)  # clipping is refused: off by default
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE, optimizer="adamw_in_backward")
+    claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
+    configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,
@@ -60,11 +62,12 @@ def main(argv=None) -> dict:
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
-    start_step, consumed = resume(accelerator, launch)
+    start_step, consumed = resume(accelerator, launch, max_steps)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    stop_if_preflight(accelerator, launch, task, model, optimizer, max_steps)  # --preflight: print the run, stop
     meter = Meter(accelerator, launch, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
+    guard = DivergenceGuard(accelerator, launch, optimizer, max_steps)  # ends a diverging run, its state saved
+    preemption = Preemption(accelerator, launch, max_steps)  # SIGTERM/SIGINT: saved, then exits
 
     model.train()
     for step in meter.steps(start_step, max_steps):
@@ -76,8 +79,9 @@ def main(argv=None) -> dict:
         accelerator.backward(loss)  # steps every parameter and frees its gradient: no optimizer.step(), no zero_grad
         scheduler.step()  # the next step's lr, in every per-parameter optimizer
         meter.record(step, loss, batch)
-        guard.check(step)  # a non-finite loss: stop, state saved
-        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
+        guard.check(step, loss)  # a non-finite loss: stop, state saved
+        preemption.check(step + 1, micro_batches=step + 1)  # agreed at logging steps; saved, exits
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1, max_steps=max_steps)
 
     # Gradient bytes at their peak, counted in the hooks, beside the whole model's (what a step after backward holds).
     extras = optimizer.optimizer.grad_bytes_report()

@@ -27,10 +27,10 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.core.args import COUNT, parse_args
-from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.checkpoint import Preemption, maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
-from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
@@ -70,6 +70,8 @@ def main(argv=None) -> dict:
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE, microbatches=args.n_microbatches, batch_size=args.per_device_train_batch_size,
                             flags={"schedule": f"--schedule {args.schedule}"})
+    claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
+    configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     from torch.distributed import pipelining  # the technique's library, once the launch is known to be valid
 
     # Which stages each process holds, from the schedule's own actions; the rule table refuses a count it cannot run.
@@ -121,11 +123,12 @@ def main(argv=None) -> dict:
     max_steps = total_steps(launch, accelerator, train_dl, already_split=True)  # this process's own batches
     optimizer, scheduler = optimizer_and_scheduler(launch, stage, max_steps)
     checkpoint_per_process(accelerator, stage, optimizer, scheduler)  # each process saves its own stages
-    start_step, consumed = resume(accelerator, launch)
+    start_step, consumed = resume(accelerator, launch, max_steps)
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, launch, task, stage, optimizer)  # --preflight: print the resolved run, stop
+    stop_if_preflight(accelerator, launch, task, stage, optimizer, max_steps)  # --preflight: print the run, stop
     meter = Meter(accelerator, launch, task, stage, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
+    guard = DivergenceGuard(accelerator, launch, optimizer, max_steps)  # ends a diverging run, its state saved
+    preemption = Preemption(accelerator, launch, max_steps)  # SIGTERM/SIGINT: saved, then exits
 
     stage.train()
     for step in meter.steps(start_step, max_steps):
@@ -136,17 +139,17 @@ def main(argv=None) -> dict:
         last = {"target": batch["labels"], "losses": losses, "return_outputs": False} if stage.is_last else {}
         schedule.step(*((x,) if stage.is_first else ()), **mask, **last)  # V: process 0 holds the first and last
         sum_tied_grads(tied, tie_group)
-        norm = clip_global_grad_norm(stage, launch.max_grad_norm, skip=tied[-1] if tied and stage.is_last else None)
-        meter.extras.setdefault("first_step_grad_norm", norm)
+        clip_global_grad_norm(stage, launch.max_grad_norm, skip=tied[-1] if tied and stage.is_last else None)
         optimizer.step()
         scheduler.step()
         loss = torch.stack(losses).sum() if losses else torch.zeros((), device=device)
         dist.broadcast(loss, src=last_rank)  # the last stage computed it; every process logs it
         # Each sample passes through every stage once: count it on the last stage only.
         meter.record(step, loss, batch if stage.is_last else [])
-        guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
+        guard.check(step, loss)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
+        preemption.check(step + 1, micro_batches=step + 1)  # agreed at logging steps; saved, exits
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1, max_steps=max_steps)
 
     meter.summary()  # measured before the save, which comes first: an interrupted evaluation leaves the model
     if not args.no_save_model:

@@ -18,7 +18,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.core.args import parse_args
-from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.models import transformer_layers
 from shared.core.preflight import stop_if_preflight
 from shared.core.tasks import load_task
@@ -36,6 +36,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE, model_given=bool(args.model_name_or_path))
+    claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
+    configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     # No training: one process, which the Accelerator only places on its device and evaluates through (none of the
     # training arguments, precision, sampler, scheduler stepping, would act here).
     accelerator = Accelerator()

@@ -20,6 +20,7 @@ shards (torch.distributed.checkpoint); resume on any mesh of the same global bat
 consolidated model.safetensors (each shard gathered with full_tensor()) that from_pretrained loads in one process.
 """
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -32,15 +33,15 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.core.args import COUNT, parse_args
-from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.checkpoint import Preemption, maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
-from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
 from shared.core.models import model_config, transformer_layers
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
-from shared.core.results import collect_results, write_results
+from shared.core.results import finish
 from shared.core.tasks import load_task
 from shared.techniques.async_checkpoint import async_checkpoints
 from shared.techniques.tensor_parallel import (
@@ -75,6 +76,8 @@ def main(argv=None) -> dict:
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE, tensor_parallel_size=args.tp_size or 0, shard_vocab=args.shard_vocab,
                             task=args.task, flags={"tensor_parallel_size": "--tp_size"})
+    claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
+    configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,
@@ -88,7 +91,7 @@ def main(argv=None) -> dict:
     from torch.distributed.fsdp import fully_shard
     device = accelerator.device
     dp, tp = mesh_shape(accelerator.num_processes, args.tp_size)
-    launch.data_parallel_size = dp  # the global batch a checkpoint keeps on another mesh (checkpoint.reshard)
+    launch = dataclasses.replace(launch, data_parallel_size=dp)  # the global batch kept on another mesh (reshard)
     # The model's own plan or ours; refused from its config (no plan, heads that do not split) before weights load.
     family = family_of(model_config(args), tp, args.shard_vocab)
     task = load_task(launch, accelerator)  # the same seed on every process: each starts from the same whole model
@@ -116,18 +119,17 @@ def main(argv=None) -> dict:
     max_steps = total_steps(launch, accelerator, train_dl, already_split=True)  # this process's own batches
     optimizer, scheduler = optimizer_and_scheduler(launch, model, max_steps)
     checkpoint_dtensors(accelerator, model, optimizer, scheduler, {"dp": dp, "tp": tp})  # each process its shards
-    start_step, consumed = resume(accelerator, launch)
-    launch.checkpoint_writes = async_checkpoints(args)  # --async_checkpoint: written while training goes on
+    start_step, consumed = resume(accelerator, launch, max_steps)
+    writes = async_checkpoints(args)  # --async_checkpoint: written while training goes on
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    stop_if_preflight(accelerator, launch, task, model, optimizer, max_steps)  # --preflight: print the run, stop
     meter = Meter(accelerator, launch, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
+    guard = DivergenceGuard(accelerator, launch, optimizer, max_steps, writes)  # ends a diverging run, its state saved
+    preemption = Preemption(accelerator, launch, max_steps, writes)  # SIGTERM/SIGINT: saved, then exits
 
     model.train()
     for step in meter.steps(start_step, max_steps):
         batch = next(batches)
-        if step == start_step:  # which batch it read (once: .item() waits for the device)
-            meter.extras["first_batch_label_sum"] = batch["labels"].sum().item()
         # Normalize by the global batch's items: FSDP2 averages the groups' gradients (dp = 1: this batch's).
         num_items = task.count_items(batch).to(device)
         dist.all_reduce(num_items, group=dp_group)
@@ -135,26 +137,21 @@ def main(argv=None) -> dict:
             loss = task.loss(model, batch, num_items / dp)
             loss.backward()
         loss = plain(loss)
-        norm = clip_grad_norm(model, launch.max_grad_norm)  # sharded gradients' squares summed over the processes
-        if step == start_step:
-            meter.extras["first_step_grad_norm"] = norm.item()
+        clip_grad_norm(model, launch.max_grad_norm)  # sharded gradients' squares summed over the processes
         optimizer.step()
         scheduler.step()
         meter.record(step, loss, batch if mesh["tp"].get_local_rank() == 0 else [])  # each batch counts once
-        guard.check(step)  # a non-finite loss: stop
+        guard.check(step, loss)  # a non-finite loss: stop
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1)
+        preemption.check(step + 1, micro_batches=step + 1)  # agreed at logging steps; saved, exits
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1, max_steps=max_steps, writes=writes)
 
-    with accelerator.autocast():
-        metrics = task.evaluate(model, eval_dl, accelerator)
     extras = {"tensor_parallel_size": tp, "data_parallel_size": dp, "mesh": mesh.mesh.tolist(),
               "global_batch_size": args.per_device_train_batch_size * dp, "tp_plan": plan,
-              "first_batch_label_sum": gather_object([meter.extras.pop("first_batch_label_sum", None)]),
               "local_param_counts": gather_object([local_param_counts(model)])}  # per process: its shards + the rest
-    results = collect_results(accelerator, launch, task, meter, metrics, extras)
-    if not args.no_save_model:
-        save_consolidated(accelerator, model, task, launch.output_dir, tp)
-    return write_results(accelerator, launch, results)
+    with accelerator.autocast():  # the model is not Accelerate's: its evaluation autocasts here
+        return finish(accelerator, launch, task, model, eval_dl, meter, extras,
+                      save=lambda acc, m, t, out: save_consolidated(acc, m, t, out, tp))  # one whole model
 
 
 if __name__ == "__main__":

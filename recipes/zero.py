@@ -17,10 +17,10 @@ from accelerate.utils import DeepSpeedPlugin, GradientAccumulationPlugin
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
 from shared.core.args import parse_args
-from shared.core.checkpoint import maybe_save_checkpoint, resume
+from shared.core.checkpoint import Preemption, maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
-from shared.core.launch import entrypoint, resolve_launch, start_run
+from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
@@ -56,6 +56,8 @@ def main(argv=None) -> dict:
                              zero3_init_flag=ds_config["zero_optimization"]["stage"] == 3)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE, deepspeed_config=ds_config)
+    claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
+    configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(
         cpu=launch.cpu,  # gloo DDP on a CPU-only machine; else each process would train its own copy
         mixed_precision=launch.mixed_precision,
@@ -79,12 +81,13 @@ def main(argv=None) -> dict:
     )
     schedule_the_optimizer_that_steps(model, scheduler)  # else, after a resume with offload, the learning rate freezes
     load_universal_checkpoints(accelerator, model)  # converted by shared/tools/reshard.py: any process count
-    start_step, consumed = resume(accelerator, launch)
+    start_step, consumed = resume(accelerator, launch, max_steps)
     k = args.gradient_accumulation_steps
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
-    stop_if_preflight(accelerator, launch, task, model, optimizer)  # --preflight: print the resolved run, stop
+    stop_if_preflight(accelerator, launch, task, model, optimizer, max_steps)  # --preflight: print the run, stop
     meter = Meter(accelerator, launch, task, model, optimizer)
-    guard = DivergenceGuard(meter)  # ends a diverging run, its state saved (shared/core/guard.py)
+    guard = DivergenceGuard(accelerator, launch, optimizer, max_steps)  # ends a diverging run, its state saved
+    preemption = Preemption(accelerator, launch, max_steps)  # SIGTERM/SIGINT: saved, then exits
     meter.extras.update(deepspeed_summary(accelerator, model))
     patch_zero_step_to_count_states(meter, model, optimizer)  # ZeRO frees gradients inside its own step
 
@@ -106,9 +109,10 @@ def main(argv=None) -> dict:
         optimizer.step()  # no-ops under DeepSpeed, kept so the loop reads like every other recipe
         scheduler.step()
         meter.record(step, step_loss, window)
-        guard.check(step)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
+        guard.check(step, step_loss)  # a non-finite loss or a collapsed fp16 loss scale: stop, state saved
         optimizer.zero_grad(set_to_none=True)
-        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=(step + 1) * k)
+        preemption.check(step + 1, micro_batches=(step + 1) * k)  # agreed at logging steps; saved, exits
+        maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=(step + 1) * k, max_steps=max_steps)
 
     return finish(accelerator, launch, task, model, eval_dl, meter)
 

@@ -36,11 +36,11 @@ def held_write(self, plan, planner):
     return write_data(self, plan, planner)
 
 
-def noted(accelerator, launch, step, micro_batches):
+def noted(accelerator, launch, step, micro_batches, **kwargs):
     if accelerator.is_main_process:
         with (out / "steps.txt").open("a") as f:
             f.write(f"{step}\n")
-    return maybe_save(accelerator, launch, step, micro_batches)
+    return maybe_save(accelerator, launch, step, micro_batches, **kwargs)
 
 
 filesystem._FileSystemWriter.write_data = held_write

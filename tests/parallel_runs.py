@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import launch, run_recipe
+from tests.conftest import launch
+from tests.probed_run import launch_probed, run_probed
 
 STEPS = 6
 # fp32, no dropout, constant LR, tiny GPT-2 on a slice of the built-in data: runs that differ only in how the
@@ -26,7 +27,7 @@ def _once(name: str, factory: pytest.TempPathFactory, make) -> tuple[Path, dict]
 
 def single(factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """1 process, batch 16: the reference."""
-    return _once("single", factory, lambda out: run_recipe("data_parallel", out, *COMMON,
+    return _once("single", factory, lambda out: run_probed("data_parallel", out, *COMMON,
                                                            "--per_device_train_batch_size", "16"))
 
 
@@ -47,5 +48,5 @@ def mesh(factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """4 processes = 2 data-parallel replicas x 2 pipeline stages, 8 per replica, a checkpoint halfway."""
     args = (*COMMON, "--per_device_train_batch_size", "8", "--pipeline_stages", "2",
             "--checkpointing_steps", str(STEPS // 2))
-    return _once("mesh", factory, lambda out: launch("data_model_parallel", out, *args,
+    return _once("mesh", factory, lambda out: launch_probed("data_model_parallel", out, *args,
                                                      config="data_model_parallel.yaml"))

@@ -11,6 +11,7 @@ import pytest
 from shared.core import rules
 from tests.conftest import launch, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON, STEPS
+from tests.probed_run import launch_probed, run_probed
 
 MOE = ("--model_preset", "tiny-moe")
 TOKENS = 16 * 64  # the global batch: 16 packed blocks of 64 tokens
@@ -22,8 +23,8 @@ PARAM_TOL = 2e-5
 
 
 def test_two_processes_train_like_one_each_holding_half_the_experts(tmp_path):
-    ref = run_recipe("data_parallel", tmp_path / "ref", *COMMON, *MOE, "--per_device_train_batch_size", "16")
-    r = launch("expert_parallel", tmp_path / "ep", *COMMON, *MOE, "--per_device_train_batch_size", "8",
+    ref = run_probed("data_parallel", tmp_path / "ref", *COMMON, *MOE, "--per_device_train_batch_size", "16")
+    r = launch_probed("expert_parallel", tmp_path / "ep", *COMMON, *MOE, "--per_device_train_batch_size", "8",
                "--checkpointing_steps", "3")
     assert (r["num_processes"], r["expert_parallel_size"], r["global_batch_size"]) == (2, 2, 16)
     # the same batches through the split model: the loss (the router's load-balancing loss in it is the global

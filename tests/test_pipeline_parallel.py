@@ -33,6 +33,7 @@ from shared.techniques.pipeline_stages import (
 )
 from tests.conftest import launch, load_params, load_recipe, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON, single
+from tests.probed_run import launch_probed, run_probed
 from tests.quant_models import make_model_dir
 from tests.test_reliability import _kill_tree, _start, _wait_for_checkpoint
 
@@ -253,7 +254,7 @@ def _stage_params(out_dir) -> list[dict]:
 
 def test_gpt_1f1b_pipeline_trains_like_the_unsplit_model(tmp_path_factory, tmp_path):
     ref_dir, ref = single(tmp_path_factory)  # the same model unsplit, 1 process, same batches
-    r = launch("pipeline_parallel", tmp_path, *COMMON, "--per_device_train_batch_size", "16",
+    r = launch_probed("pipeline_parallel", tmp_path, *COMMON, "--per_device_train_batch_size", "16",
                "--schedule", "1f1b", "--n_microbatches", "4", config="pipeline.yaml")
     assert (r["num_processes"], r["distributed_type"], r["schedule"]) == (2, "MULTI_CPU", "1f1b")
     # the same first batch through the 2-stage pipeline: the same loss, the same gradient norm
@@ -368,8 +369,8 @@ def test_pipeline_killed_resumes_to_the_same_parameters(deep_gpt, tmp_path):
             "--max_train_samples", 24, "--per_device_train_batch_size", 4, "--max_eval_samples", 8,
             "--max_seq_length", 32, "--learning_rate", "1e-3", "--lr_scheduler_type", "constant"]
     pipe = ["--schedule", "interleaved_1f1b", "--checkpointing_steps", 4]
-    ref = run_recipe("data_parallel", tmp_path / "unsplit", *args)  # 1 process, the model whole, the same batches
-    r = launch("pipeline_parallel", tmp_path / "full", *args, *pipe, config="pipeline.yaml")
+    ref = run_probed("data_parallel", tmp_path / "unsplit", *args)  # 1 process, the model whole, the same batches
+    r = launch_probed("pipeline_parallel", tmp_path / "full", *args, *pipe, config="pipeline.yaml")
     assert (r["num_processes"], r["schedule"], r["process_stages"]) == (2, "interleaved_1f1b", [[0, 2], [1, 3]])
     assert r["stage_layers"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
     print(f"loss {r['initial_loss']:.7f} vs {ref['initial_loss']:.7f}; grad norm {r['first_step_grad_norm']:.7f} vs "

@@ -12,6 +12,7 @@ from shared.core import rules
 from shared.tools import plan
 from tests.conftest import launch, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON
+from tests.probed_run import launch_probed
 
 # 2 groups x 8: the global batch is 16. torchtitan's order: TP, activation checkpointing, FSDP2.
 MESH = ("--tp_size", "2", "--shard_vocab", "--gradient_checkpointing", "--per_device_train_batch_size", "8")
@@ -20,7 +21,7 @@ MESH = ("--tp_size", "2", "--shard_vocab", "--gradient_checkpointing", "--per_de
 @pytest.mark.slow
 def test_tp_x_dp_trains_like_one_process_and_resumes_exactly(tmp_path):
     ref = run_recipe("baseline", tmp_path / "ref", *COMMON, "--per_device_train_batch_size", "16")
-    r = launch("tensor_parallel", tmp_path / "mesh", *COMMON, *MESH, "--checkpointing_steps", "3",
+    r = launch_probed("tensor_parallel", tmp_path / "mesh", *COMMON, *MESH, "--checkpointing_steps", "3",
                config="tp2_dp2.yaml")
     assert (r["num_processes"], r["data_parallel_size"], r["tensor_parallel_size"]) == (4, 2, 2)
     assert r["mesh"] == [[0, 1], [2, 3]] and r["global_batch_size"] == 16

@@ -12,11 +12,15 @@ import os
 import shutil
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from . import rules, rundir
+from .accelerate_compat import prepared_models, prepared_schedulers
 
 if TYPE_CHECKING:
     from .launch import Launch
@@ -113,15 +117,16 @@ def saved_run(directory: Path) -> dict:
 
 
 def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, keep: int | None = None,
-                    final: Path | None = None, background: bool = False) -> Path:
+                    final: Path | None = None, background: bool = False, writes=None) -> Path:
     """Model, optimizer, scheduler, scaler and RNG states (Accelerate), plus where the data stood and the run.
 
     Written under a temporary name, hashed into a manifest, then renamed: a run killed mid-save never leaves a
     checkpoint that looks whole. `keep`: how many of this run's newest checkpoints to keep (another run's, in the
     same directory, are never deleted). `final`: another place than checkpoints/step_N (the divergence guard's).
     `background` (--async_checkpoint, techniques/async_checkpoint.py): training goes on while the shards are written.
+    `writes`: the run's AsyncCheckpoints (--async_checkpoint; None without), whose checkpoint in flight is completed
+    first.
     """
-    writes = launch.checkpoint_writes  # --async_checkpoint: the previous checkpoint written and complete first
     if writes is not None:
         writes.wait()
     root = checkpoints_root(launch.output_dir)
@@ -169,23 +174,83 @@ def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, 
     return final
 
 
-def maybe_save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int) -> None:
-    """Every --checkpointing_steps optimizer steps and at the last, and at once after SIGTERM/SIGINT: then the run
-    exits with 128 + the signal, unless the step was its last, when it finishes (the model, evaluation, results)."""
-    args, signum = launch.args, launch.preemption.signal(accelerator.num_processes)
-    last = step == launch.max_train_steps
-    if (args.checkpointing_steps and (step % args.checkpointing_steps == 0 or last)) or (signum and not last):
-        path = save_checkpoint(accelerator, launch, step, micro_batches, keep=args.save_total_limit,
-                               background=launch.checkpoint_writes is not None and not (last or signum))
-    if signum and last:
-        logger.warning("%s received at the last step: finishing the run (the model first, then the evaluation)",
-                       signal.Signals(signum).name)
-    elif signum:
+class Preemption:
+    """SIGTERM (a scheduler's preemption) and SIGINT, checked by a line of the recipe's loop: `check(step, ...)`.
+
+    The handler only notes the signal (a second SIGINT interrupts at once, as usual). One process acts on it at the
+    next step; several agree on it at the logging steps (every --logging_steps steps and the last), in one small
+    all-reduce, so that every process saves the same step and a step that does not log waits on no collective and no
+    host read: keep --logging_steps x the step time under the scheduler's grace period. Acting on it: the training
+    state is saved as a checkpoint and the process exits with 128 + the signal; at the run's last step the run
+    finishes instead (the model first, then the evaluation). Created by the recipe once max_steps is known."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, accelerator, launch: Launch, max_steps: int, writes: object = None) -> None:
+        self.accelerator, self.launch, self.max_steps = accelerator, launch, max_steps
+        self.writes = writes  # --async_checkpoint: the checkpoint in flight is completed before this one
+        self.local = 0  # the signal this process received (0: none)
+        self.install()
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():  # Ray Train's workers: signals are Ray's there
+            return
+        def handler(signum, _frame):
+            if signum == signal.SIGINT and self.local:
+                raise KeyboardInterrupt
+            if not self.local and os.environ.get("RANK", "0") == "0":  # said once, by one process
+                print(f"\n{signal.Signals(signum).name} received: the run saves a checkpoint at the next step and "
+                      "stops (during the final evaluation, it finishes it). Ctrl-C again stops at once.",
+                      file=sys.stderr, flush=True)
+            self.local = self.local or signum
+
+        for signum in self.SIGNALS:
+            signal.signal(signum, handler)
+        if sys.platform == "linux":
+            # `accelerate launch` of one process does not forward SIGTERM: it dies and leaves the recipe training
+            # on. Asked here, the kernel sends the recipe SIGTERM when its launcher (the parent) dies.
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+    def signal(self, step: int) -> int:
+        """The signal every process acts on after optimizer step `step` (1-based; 0 if none)."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return self.local
+        if step % self.launch.args.logging_steps and step != self.max_steps:
+            return 0
+        votes = torch.tensor([float(self.local == s) for s in self.SIGNALS], device=acc.device)
+        counts = acc.reduce(votes, "sum").tolist()  # how many processes received each of SIGNALS
+        return next((int(s) for s, n in zip(self.SIGNALS, counts, strict=True) if n), 0)
+
+    def check(self, step: int, micro_batches: int) -> None:
+        """After optimizer step `step` (1-based): on an agreed signal, save the training state and exit."""
+        signum = self.signal(step)
+        if not signum:
+            return
         name = signal.Signals(signum).name
+        if step == self.max_steps:
+            logger.warning("%s received at the last step: finishing the run (the model first, then the evaluation)",
+                           name)
+            return
+        path = save_checkpoint(self.accelerator, self.launch, step, micro_batches,
+                               keep=self.launch.args.save_total_limit, writes=self.writes)
         logger.warning("%s received: saved %s at step %d; continue with --resume_from_checkpoint latest",
                        name, path, step)
-        accelerator.end_training()
+        self.accelerator.end_training()
         sys.exit(128 + signum)
+
+
+def maybe_save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, max_steps: int,
+                          writes=None) -> None:
+    """Every --checkpointing_steps optimizer steps and at the last (`max_steps`, the recipe's). `writes`: the run's
+    AsyncCheckpoints under --async_checkpoint (written in the background, but the last). SIGTERM/SIGINT are the
+    recipe's own line (launch.Preemption.check)."""
+    every, last = launch.args.checkpointing_steps, step == max_steps
+    if every and (step % every == 0 or last):
+        save_checkpoint(accelerator, launch, step, micro_batches, keep=launch.args.save_total_limit,
+                        background=writes is not None and not last, writes=writes)
 
 
 def find_checkpoint(launch: Launch, num_processes: int) -> Path | None:
@@ -232,12 +297,21 @@ def _refuse_overwriting_another_run(launch: Launch, num_processes: int) -> None:
                              "run with its own settings and --resume_from_checkpoint latest.")
 
 
-def resume(accelerator, launch: Launch) -> tuple[int, int]:
+_resume_changes: dict = {}  # this process's resume: setting -> (saved, now), applied (written by resume() only)
+
+
+def resume_changes() -> dict:
+    """What this process's resume changed from the checkpoint's run (results.json "resume_changes")."""
+    return dict(_resume_changes)
+
+
+def resume(accelerator, launch: Launch, max_steps: int) -> tuple[int, int]:
     """Load a checkpoint into the prepared objects; returns (optimizer steps done, micro-batches consumed).
 
     A checkpoint of a run with other FIXED settings is refused before anything is loaded, naming them; a changed
-    learning rate or schedule is applied from the resumed step on, and held in launch.resume_changes."""
-    path, steps = find_checkpoint(launch, accelerator.num_processes), launch.max_train_steps
+    learning rate or schedule is applied from the resumed step on, and reported by resume_changes()."""
+    path, steps = find_checkpoint(launch, accelerator.num_processes), max_steps
+    _resume_changes.clear()
     if launch.elastic_restarts and accelerator.is_main_process:  # the budget torch elastic has left, and then what
         used, most = launch.elastic_restarts, int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
         then = ("the last one: if a process dies again, the job ends. Find why in the launcher's failure summary (rank,"
@@ -246,7 +320,7 @@ def resume(accelerator, launch: Launch) -> tuple[int, int]:
         logger.warning("torch elastic restart %d of %d (a process died; all were restarted), resuming from %s: %s.",
                        used, most, path or "step 0 (no complete checkpoint; --checkpointing_steps N writes them)", then)
     if accelerator.is_main_process and not launch.args.no_save_model:  # the final model's room, before any step
-        params = [p for m in accelerator._models for p in m.parameters()]
+        params = [p for m in prepared_models(accelerator) for p in m.parameters()]
         needed = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params)  # ZeRO-3: its full size
         rundir.check_room(Path(launch.output_dir), needed, "the final model", "nothing has trained yet.")
     if path is None:
@@ -267,23 +341,22 @@ def resume(accelerator, launch: Launch) -> tuple[int, int]:
                        "from it", path, steps)
     changes = differences(saved, run, CHANGEABLE)
     # A recipe that checkpoints its own schedulers (pipeline stages) cannot take a new rate: refused before loading.
-    if "learning_rate" in changes and not accelerator._schedulers:  # Accelerate has no public accessor for them
+    if "learning_rate" in changes and not prepared_schedulers(accelerator):
         raise SystemExit(f"--learning_rate {launch.learning_rate:g}: {path} was trained at "
                          f"{changes['learning_rate'][0]:g}, and recipes/{launch.recipe}.py keeps its schedulers apart "
                          "from Accelerate's, so a new rate cannot be applied on resume. Resume with the old one.")
     accelerator.load_state(str(path))
-    launch.resume_changes = changes
+    _resume_changes.update(changes)
     if "learning_rate" in changes:
         # The scheduler's state brought back the old peak learning rate (base_lrs): the new one applies from here,
         # on the schedule the flags now give (transformers' schedules are LambdaLRs of the step).
-        for wrapper in accelerator._schedulers:
+        for wrapper in prepared_schedulers(accelerator):
             inner = getattr(wrapper, "scheduler", wrapper)
             inner.base_lrs = [launch.learning_rate] * len(inner.base_lrs)
             for group, lam in zip(inner.optimizer.param_groups, inner.lr_lambdas, strict=True):
                 group["initial_lr"], group["lr"] = launch.learning_rate, launch.learning_rate * lam(inner.last_epoch)
-    if launch.resume_changes:
-        logger.warning("resumed %s with changed settings (applied from step %d): %s", path, state["step"],
-                       launch.resume_changes)
+    if changes:
+        logger.warning("resumed %s with changed settings (applied from step %d): %s", path, state["step"], changes)
     logger.info("resumed from %s at step %d", path, state["step"])
     return state["step"], consumed
 

@@ -8,9 +8,6 @@ import functools
 import json
 import logging
 import os
-import signal
-import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,8 +20,8 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs, TorchDynam
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import quiet, rules, rundir
-from .errors import RecipeError
 from .args import FROM_SCRATCH_LR, PRETRAINED_LR
+from .errors import RecipeError
 from .fsdp_cpu import force_fsdp_on_cpu
 
 logger = logging.getLogger("recipes")
@@ -113,59 +110,13 @@ def build_dynamo_plugin(compile_mode: str) -> TorchDynamoPlugin:
     return TorchDynamoPlugin(backend="inductor", use_regional_compilation=compile_mode == "regional")
 
 
-class Preemption:
-    """SIGTERM (a scheduler's preemption) and SIGINT: the handler notes the signal, and the next step boundary saves
-    and exits (a second SIGINT interrupts at once, as usual). With several processes, all act on the signal they
-    agreed on in the meter's logging collective (Meter.record calls `agree`), so every one saves at the same step.
-    The run's one instance is `launch.preemption` (installed by start_run)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.local = 0  # the signal this process received (0: none)
-        self.agreed = 0  # the signal the processes agreed on at the meter's last logging step
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():  # Ray Train's workers: signals are Ray's there
-            return
-        def handler(signum, _frame):
-            if signum == signal.SIGINT and self.local:
-                raise KeyboardInterrupt
-            if not self.local and os.environ.get("RANK", "0") == "0":  # said once, by one process
-                print(f"\n{signal.Signals(signum).name} received: the run saves a checkpoint at the next step and "
-                      "stops (during the final evaluation, it finishes it). Ctrl-C again stops at once.",
-                      file=sys.stderr, flush=True)
-            self.local = self.local or signum
-
-        for signum in self.SIGNALS:
-            signal.signal(signum, handler)
-        if sys.platform == "linux":
-            # `accelerate launch` of one process does not forward SIGTERM: it dies and leaves the recipe training
-            # on. Asked here, the kernel sends the recipe SIGTERM when its launcher (the parent) dies.
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-    def received(self) -> list[float]:
-        """This process's vote, one per SIGNALS, for the meter's logging collective."""
-        return [float(self.local == s) for s in self.SIGNALS]
-
-    def agree(self, counts: list[float]) -> None:
-        """The collective's result: how many processes received each of SIGNALS."""
-        self.agreed = next((int(s) for s, n in zip(self.SIGNALS, counts, strict=True) if n), 0)
-
-    def signal(self, num_processes: int) -> int:
-        """The signal to act on now (0 if none). One process acts at once; several at the next logging step, so a
-        step that does not log waits on no collective and no host read for it: keep --logging_steps x the step time
-        under the scheduler's grace period."""
-        return self.local if num_processes == 1 else self.agreed
-
-
-@dataclass
+@dataclass(frozen=True)
 class Launch:
     """The run as launched: the flags as typed (`args`, never written to) and, apart from them, every value the
     launch resolved from the flags, the launch config, a DeepSpeed JSON and this machine. The recipe and the core
-    read the resolved values here; results.json reports both."""
+    read the resolved values here; results.json reports both. Frozen: what a run learns later has its own owner
+    (the step count is the recipe's `max_steps`; the preemption handler and --async_checkpoint's writes are objects
+    the recipe creates and passes; what a resume changed is shared/core/checkpoint.py's)."""
 
     args: argparse.Namespace  # as parsed
     recipe: str
@@ -182,18 +133,15 @@ class Launch:
     log_with: list[str] | None = None
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None
     dynamo_plugin: TorchDynamoPlugin = field(default_factory=lambda: build_dynamo_plugin("none"))
-    max_train_steps: int | None = None  # --max_train_steps, or the steps of --num_train_epochs (optim.total_steps)
-    preemption: Preemption = field(default_factory=Preemption)  # SIGTERM / SIGINT, agreed over the processes
-    resume_changes: dict = field(default_factory=dict)  # setting -> (saved, now): what a resume changed (checkpoint)
-    checkpoint_writes: object = None  # --async_checkpoint: techniques/async_checkpoint.py's AsyncCheckpoints
     resume_from_checkpoint: str | None = None  # the flag, or 'latest' in processes torch elastic restarted
     elastic_restarts: int = 0  # TORCHELASTIC_RESTART_COUNT: how often torch elastic restarted the processes
-    data_parallel_size: int | None = None  # processes that read different batches, where not all (tensor parallel)
+    # Processes that read different batches, where not all (tensor parallel: dataclasses.replace(launch, ...)).
+    data_parallel_size: int | None = None
 
     def resolved(self) -> dict[str, object]:
         """What the launch resolved, for results.json beside the flags as typed."""
         names = ("recipe", "output_dir", "mixed_precision", "torch_compile", "learning_rate",
-                 "per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "max_train_steps",
+                 "per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm",
                  "resume_from_checkpoint", "elastic_restarts")
         return {name: getattr(self, name) for name in names}
 
@@ -207,7 +155,9 @@ def resolve_launch(
     default_mixed_precision: str = "no",
     **asks: object,
 ) -> Launch:
-    """Resolve the launch, and refuse a combination that cannot train, before anything is built or loaded.
+    """Resolve the launch, and refuse a combination that cannot train, before anything is built or loaded. Pure: it
+    reads the flags, the environment and the disk, and changes none of them (the recipe then calls claim_output_dir
+    and configure_process).
 
     `args` is left as typed: the resolved values are the returned Launch's. `deepspeed_config` / `fsdp_plugin`: the
     sharding the recipe itself sets up (a DeepSpeed config from deepspeed_setup.resolve_deepspeed_config, whose
@@ -268,21 +218,9 @@ def resolve_launch(
                          "Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv_backend c10d "
                          "(docs/multi_node.md).")
     resume_from = args.resume_from_checkpoint or ("latest" if restarts else None)
-    # Last of the checks: --overwrite_output_dir removes the old run, which a refusal above must not have cost.
-    if os.environ.get("RANK", "0") == "0":  # the main process: one run per output directory
-        rundir.claim(args, output_dir, resume_from)
-
-    # Two processes on two cores with torch's default thread count oversubscribe the CPU: a 3 s run took 83 s.
-    if on_cpu and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     # A process that dies or hangs makes the others fail after this long instead of waiting forever.
     process_group = InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))
     cpu = False
-    if sharding.startswith("zero") and "LOCAL_RANK" not in os.environ:
-        # One process without a launcher (plain `accelerate launch` or `python`): DeepSpeed still needs a process
-        # group, and Accelerate only creates one when the launcher's variables are set.
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
     if on_cpu and sharding.startswith("zero"):
         # Without GPUs Accelerate counts one process under DeepSpeed unless the process group is gloo.
         process_group.backend = "gloo"
@@ -303,9 +241,28 @@ def resolve_launch(
                   elastic_restarts=restarts)
 
 
+def claim_output_dir(launch: Launch) -> None:
+    """Right after resolve_launch, whose checks all come first: --overwrite_output_dir removes the old run, which a
+    refusal must not have cost. The main process takes the output directory: one run per directory (rundir.claim)."""
+    if os.environ.get("RANK", "0") == "0":
+        rundir.claim(launch.args, launch.output_dir, launch.resume_from_checkpoint)
+
+
+def configure_process(launch: Launch) -> None:
+    """Right after resolve_launch, before Accelerator(...): what this process's environment needs for the launch."""
+    # Two processes on two cores with torch's default thread count oversubscribe the CPU: a 3 s run took 83 s.
+    if not launch.run.on_accelerator and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if launch.run.sharding.startswith("zero") and "LOCAL_RANK" not in os.environ:
+        # One process without a launcher (plain `accelerate launch` or `python`): DeepSpeed still needs a process
+        # group, and Accelerate only creates one when the launcher's variables are set.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
+
+
 def start_run(accelerator: Accelerator, launch: Launch) -> None:
     """Right after Accelerator(...): check that Accelerate resolved what was launched, make fp16 real on CPU, and
-    start logging, seeding, trackers and the preemption handler."""
+    start logging, seeding and trackers."""
     run = launch.run
     if not has_accelerator() and run.num_processes > 1 and run.sharding == "fsdp":
         force_fsdp_on_cpu(accelerator, launch.fsdp_plugin)
@@ -330,7 +287,6 @@ def start_run(accelerator: Accelerator, launch: Launch) -> None:
         _enable_cpu_fp16(accelerator)
 
     args = launch.args
-    launch.preemption.install()
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         level=logging.INFO if accelerator.is_main_process else logging.WARNING,
@@ -366,12 +322,13 @@ def _trackers(report_to: str | None) -> list[str] | None:
         return None
     import difflib
 
-    from accelerate.tracking import _available_trackers
     from accelerate.utils import LoggerType
+
+    from .accelerate_compat import available_trackers
 
     names = [t.strip() for t in report_to.split(",") if t.strip()]
     known = [t.value for t in LoggerType]
-    available = {str(t.value) for t in _available_trackers}
+    available = {str(t.value) for t in available_trackers()}
     for name in names:
         if name not in known:
             near = difflib.get_close_matches(name, known, n=1)
@@ -403,6 +360,7 @@ def _enable_cpu_fp16(accelerator: Accelerator) -> None:
     # torch's CPU fp16 autocast and GradScaler("cpu") do work (overflow skips and back-off observed), so we turn
     # on what Accelerate does on GPUs. It must happen before prepare(): prepare_model wraps forward in autocast
     # when native_amp is set, and prepare_optimizer hands the scaler to the optimizer wrapper.
-    accelerator.native_amp = True
+    from .accelerate_compat import enable_cpu_fp16
+
     kwargs = accelerator.scaler_handler.to_kwargs() if accelerator.scaler_handler is not None else {}
-    accelerator.scaler = torch.amp.GradScaler("cpu", **kwargs)
+    enable_cpu_fp16(accelerator, torch.amp.GradScaler("cpu", **kwargs))

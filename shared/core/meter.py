@@ -43,11 +43,7 @@ class Meter:
         self.extras: dict[str, object] = {}
         self.step_loss: torch.Tensor | None = None  # the last recorded step's loss
         self.router_aux_loss: float | None = None  # a mixture of experts: the load-balancing loss, last logged
-        # Steps with a non-finite loss, counted on the device and read (all processes summed) only when the meter
-        # logs: no step that does not log waits on the host or on a collective for it (shared/core/guard.py).
-        self._nonfinite = torch.zeros((), device=accelerator.device)
-        self.nonfinite_steps = 0  # as of the last logging step, all processes
-        self.logged_window: tuple[int, int] | None = None  # the optimizer steps (1-based) the last logging covered
+        self.max_steps: int | None = None  # the run's steps, as the recipe passed them to steps()
         self.memory_trace: list[int] = []  # this process's memory at each logging step: growth means a leak
         self._read_dtype = observe_compute_dtype(model)
         self._warmup = True
@@ -59,7 +55,7 @@ class Meter:
         bar = tqdm(range(start, stop), initial=start, total=stop, desc="train",
                    disable=not self.accelerator.is_local_main_process, dynamic_ncols=True)
         reset_peak_memory(self.accelerator.device)
-        self.bar = bar
+        self.bar, self.max_steps = bar, stop
         self.extras["resumed_from_step"] = start
         # The clock runs from the end of the first step to the end of the last: two device syncs in all, where one
         # per step would stall the host's kernel launches at every step.
@@ -106,29 +102,23 @@ class Meter:
         if self.state is None:
             self.state = state_bytes(self.model, self.optimizer)
         self.step_loss = loss.detach().float()
-        self._nonfinite += (~torch.isfinite(self.step_loss)).any()
         self.window.append(self.step_loss)
         if len(self.window) >= self.launch.args.logging_steps or step + 1 == self.bar.total:
             self._log(step + 1)
 
     def _log(self, step: int) -> None:
-        # One collective, summed over processes: the window's mean loss, the non-finite count (shared/core/guard.py) and
-        # which processes received a preemption signal (shared/core/checkpoint.py): a step that does not log has none.
+        # One collective, summed over processes: the window's mean loss (and a router's loss): a step that does not
+        # log has none.
         window = torch.stack(self.window).mean().to(self.accelerator.device)
-        preemption = self.launch.preemption
-        votes = torch.tensor(preemption.received(), device=window.device)
         # A mixture of experts: its router's load-balancing loss (the last batch's, the same on every process count).
         aux = self.task.router_aux_loss
         aux = [] if aux is None else [aux.float().to(window.device)]
-        values = torch.stack([window, self._nonfinite.float(), *aux, *votes])
-        total, nonfinite, *received = self.accelerator.reduce(values, "sum").tolist()
+        values = torch.stack([window, *aux])
+        total, *rest = self.accelerator.reduce(values, "sum").tolist()
         if aux:
-            self.router_aux_loss = received.pop(0) / self.accelerator.num_processes
+            self.router_aux_loss = rest[0] / self.accelerator.num_processes
             self.accelerator.log({"train/router_aux_loss": self.router_aux_loss}, step=step)
-        preemption.agree(received)
         mean = total / self.accelerator.num_processes
-        self.nonfinite_steps = int(nonfinite)
-        self.logged_window = (step - len(self.window) + 1, step)
         if self.initial_loss is None:
             self.initial_loss = self.window[0].item()
         self.window.clear()

@@ -35,7 +35,8 @@ def optimizer_and_scheduler(launch: Launch, model: torch.nn.Module, max_steps: i
 
 
 def total_steps(launch: Launch, accelerator, train_dataloader, already_split: bool = False) -> int:
-    """--max_train_steps, or the optimizer steps in --num_train_epochs; held in launch.max_train_steps.
+    """--max_train_steps, or the optimizer steps in --num_train_epochs: the recipe holds it (`max_steps`) and passes it
+    to what needs the last step (resume, the meter, the guard, the preemption check, maybe_save_checkpoint).
 
     train_dataloader: the whole training set's loader, which Accelerate will split over the processes; or, with
     already_split, what this process itself reads (the pipeline and tensor-parallel recipes' own loaders, where
@@ -53,5 +54,4 @@ def total_steps(launch: Launch, accelerator, train_dataloader, already_split: bo
     if args.checkpointing_steps and args.checkpointing_steps > steps:
         logger.warning("--checkpointing_steps %d > the run's %d steps: no checkpoint will be written.",
                        args.checkpointing_steps, steps)
-    launch.max_train_steps = steps
     return steps

@@ -20,14 +20,15 @@ if TYPE_CHECKING:
 REPORT_LINE = "preflight report:"  # the report's last line names its file (shared/tools/preflight.py reads it)
 
 
-def stop_if_preflight(accelerator, launch: Launch, task, model, optimizer: object | None) -> None:
+def stop_if_preflight(accelerator, launch: Launch, task, model, optimizer: object | None,
+                      max_steps: int | None = None) -> None:
     """With --preflight: report the resolved run and end it before its first step. Otherwise nothing.
 
     Called by the recipe after prepare() (DeepSpeed fills its "auto" values there) and resume() (a checkpoint that
     cannot be loaded is refused by the preflight too).
     """
     if launch.args.preflight:
-        report(accelerator, launch, task, model, optimizer)
+        report(accelerator, launch, task, model, optimizer, max_steps)
 
 
 def _available_bytes(accelerator) -> int:
@@ -38,7 +39,7 @@ def _available_bytes(accelerator) -> int:
     return int(psutil.virtual_memory().available // accelerator.num_processes)
 
 
-def report(accelerator, launch: Launch, task, model, optimizer) -> None:
+def report(accelerator, launch: Launch, task, model, optimizer, max_steps: int | None = None) -> None:
     """Print and save the resolved configuration, then end the run before its first step (exit code 0)."""
     args, recipe = launch.args, launch.recipe
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -60,7 +61,7 @@ def report(accelerator, launch: Launch, task, model, optimizer) -> None:
         # (sequence parallel: the processes split each sequence, not the samples)
         "global_batch_size": launch.per_device_train_batch_size * launch.gradient_accumulation_steps
         * (1 if recipe in RECIPES and RECIPES[recipe].splits_sequence else accelerator.num_processes),
-        "max_train_steps": launch.max_train_steps,
+        "max_train_steps": max_steps,
         "learning_rate": launch.learning_rate,
         "optimizer": None if optimizer is None else type(stepping_optimizer(optimizer)).__name__,  # None: PTQ
         "trainable_parameters_this_process": trainable,

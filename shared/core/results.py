@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,14 +23,17 @@ logger = logging.getLogger("recipes")
 
 
 def finish(accelerator, launch: Launch, task, model: torch.nn.Module, eval_dataloader, meter,
-           extras: dict | None = None, save: bool = True) -> dict:
+           extras: dict | None = None, save: bool | Callable = True) -> dict:
     """Save the model as safetensors (unless --no_save_model, or `save=False` for a recipe that saved another form
-    itself), evaluate, write results.json, close the trackers. Returns the results."""
-    save = save and not launch.args.no_save_model
+    itself), then evaluate, write results.json, close the trackers. Returns the results. Every recipe ends here, so
+    the model is saved before the final evaluation. `save` may be the recipe's own way to write one consolidated
+    model, `save(accelerator, model, task, output_dir)` (tensor / expert parallel shards)."""
+    writer = save if callable(save) else save_model
+    save = bool(save) and not launch.args.no_save_model
     meter.summary()  # measured before the save adds to the memory peak (results.json reads it below)
     if save:  # first: an evaluation that fails or is interrupted (Ctrl-C, a grace period's end) leaves the model
         try:
-            save_model(accelerator, model, task, launch.output_dir)
+            writer(accelerator, model, task, launch.output_dir)
         except Exception as err:
             full = rundir.disk_full(err, Path(launch.output_dir), "the trained model", "--resume_from_checkpoint "
                                     "latest then writes it from the last checkpoint (with --checkpointing_steps).")
@@ -50,6 +54,7 @@ def finish(accelerator, launch: Launch, task, model: torch.nn.Module, eval_datal
 def collect_results(accelerator, launch: Launch, task, meter, metrics: dict, extras: dict | None = None) -> dict:
     """The results.json fields: the run, the meter's measurements (before saving adds to the memory peak), metrics;
     the flags as typed and the values the launch resolved from them."""
+    from .checkpoint import resume_changes
     from .flops import run_flops
 
     args = launch.args
@@ -69,15 +74,15 @@ def collect_results(accelerator, launch: Launch, task, meter, metrics: dict, ext
         "distributed_type": accelerator.distributed_type.value,
         "mixed_precision": accelerator.mixed_precision,
         "torch_compile": launch.torch_compile,  # none | regional | full (shared/core/launch.py)
-        "max_train_steps": launch.max_train_steps,
+        "max_train_steps": meter.max_steps,
         "gradient_accumulation_steps": launch.gradient_accumulation_steps,
         "per_device_train_batch_size": launch.per_device_train_batch_size,
         "learning_rate": launch.learning_rate,
         "flags": {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
                   for k, v in sorted(vars(args).items()) if k != "explicit_flags"},  # as parsed, defaults too
         "explicit_flags": sorted(getattr(args, "explicit_flags", ())),  # what was typed
-        "resolved": launch.resolved(),  # what ran
-        "resume_changes": launch.resume_changes,  # what a resume changed from the checkpoint's run, applied
+        "resolved": {**launch.resolved(), "max_train_steps": meter.max_steps},  # what ran
+        "resume_changes": resume_changes(),  # what a resume changed from the checkpoint's run, applied
         **measured,
         **flops,  # model FLOPs per token and MFU (shared/core/flops.py); MFU only on a GPU in its peak table
         **metrics,
@@ -85,7 +90,7 @@ def collect_results(accelerator, launch: Launch, task, meter, metrics: dict, ext
         **meter.extras,
         **(extras or {}),
     }
-    accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}, step=launch.max_train_steps)
+    accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}, step=meter.max_steps)
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in results.items()}
 
 

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 
 
 class AsyncCheckpoints:
-    """The run's background checkpoint writes: at most one checkpoint in flight (launch.checkpoint_writes)."""
+    """The run's background checkpoint writes: at most one checkpoint in flight (the recipe's `writes`)."""
 
     def __init__(self) -> None:
         self.groups: list[dist.ProcessGroup | None] = []  # the i-th DCP save of a checkpoint runs on groups[i]
@@ -75,5 +75,5 @@ class AsyncCheckpoints:
 
 
 def async_checkpoints(args) -> AsyncCheckpoints | None:
-    """launch.checkpoint_writes for --async_checkpoint (None: every checkpoint written before the next step)."""
+    """The recipe's `writes` for --async_checkpoint (None: every checkpoint written before the next step)."""
     return AsyncCheckpoints() if args.async_checkpoint else None
