@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from shared.core.launch import free_port  # noqa: F401  (tests import it from here)
+from shared.tools import catalogue  # noqa: F401  (every technique's rules, as the recipes register them)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"

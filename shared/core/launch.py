@@ -23,8 +23,8 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs, TorchDynam
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import quiet, rules, rundir
-from .errors import RecipeError
 from .args import FROM_SCRATCH_LR, PRETRAINED_LR
+from .errors import RecipeError
 from .fsdp_cpu import force_fsdp_on_cpu
 
 logger = logging.getLogger("recipes")
