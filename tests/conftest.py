@@ -13,11 +13,17 @@ import pytest
 import torch
 
 from shared.core.launch import free_port  # noqa: F401  (tests import it from here)
-from shared.tools import catalogue  # noqa: F401  (every technique's rules, as the recipes register them)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
 QUIET = ["--report_to", "none"]
+
+
+def pytest_configure(config):
+    """Every technique's rules in the table, as each recipe registers its own by importing its technique: tests weigh
+    runs of any recipe with rules.refusals. A hook, not an import: a training process that imports this module (for
+    run_recipe) must not load shared/tools."""
+    from shared.tools import catalogue  # noqa: F401
 
 
 def _quiet(args) -> list[str]:
