@@ -316,6 +316,9 @@ RULES: list[Rule] = [
          lambda r: f"recipes/{r.recipe}.py quantizes a trained model, and no --model_name_or_path was passed (a "
                    "fresh preset has learned nothing to keep)",
          lambda r: "pass --model_name_or_path (e.g. the output_dir of recipes/baseline.py)"),
+]
+# The model presets' rules: read after a technique's own launch-time reasons, before the built facts' rules.
+_PRESETS = [
     Rule(lambda r: r.preset in ("tiny-llama", "tiny-moe") and r.task == "image-classification",
          lambda r: f"--model_preset {r.preset} is a decoder for text (Llama / Mixtral style), and --task "
                    "image-classification needs an image model",
@@ -326,18 +329,20 @@ RULES: list[Rule] = [
                    "would silently not train",
          lambda r: "use --task causal-lm for the mixture of experts, or --model_preset tiny-llama to classify text"),
 ]
+RULES += _PRESETS
 
 
-def register(*rules: Rule, fields: Mapping[str, object] | None = None, first: bool = False) -> None:
-    """Add a technique's rules to the table (once; `first`: ahead of the generic ones, for a more specific reason),
-    and the Run fields they read, with their defaults."""
+def register(*rules: Rule, fields: Mapping[str, object] | None = None, first: bool = False, late: bool = False
+             ) -> None:
+    """Add a technique's rules to the table, once: after the generic ones and before the presets' (`first`: ahead
+    of all, for a more specific reason; `late`: after the presets'; built ones: last); and the Run fields they
+    read, with their defaults. Where several rules refuse a run, the message reads them in this order."""
     for name, default in (fields or {}).items():
         if FIELDS.setdefault(name, default) != default:
             raise ValueError(f"Run field {name!r} registered with two defaults: {FIELDS[name]!r} and {default!r}")
-    new = [rule for rule in rules if rule not in RULES]
-    RULES[0:0] = new if first else []
-    if not first:
-        RULES.extend(new)
+    for i, rule in enumerate(rule for rule in rules if rule not in RULES):
+        built = next((j for j, old in enumerate(RULES) if old.built), len(RULES))
+        RULES.insert(i if first else len(RULES) if rule.built else built if late else RULES.index(_PRESETS[0]), rule)
 
 
 def refusals(run: Run) -> list[str]:

@@ -287,4 +287,4 @@ RULES = (
                    "checkpointed, or --offload_to cpu"),
 )
 rules.register(*RULES, fields=dict(
-    activation_offload="", activation_offload_to="cpu", activation_offload_dir=False, checkpointing=None))
+    activation_offload="", activation_offload_to="cpu", activation_offload_dir=False, checkpointing=None), late=True)

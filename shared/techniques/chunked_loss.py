@@ -230,4 +230,4 @@ RULES = (
 )
 rules.register(*RULES, fields=dict(
     chunked_loss=False, model_type="", head_kind="", logit_transform="", head_calls=1, head_reshaped=False,
-    linear_head_needed=False))
+    linear_head_needed=False), late=True)

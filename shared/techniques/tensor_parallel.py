@@ -302,6 +302,7 @@ RULES = (
          lambda r: "launch a divisor of it (--num_processes, or --tp_size), or pick a model whose heads and MLP width "
                    "it divides", built=True),
 )
-rules.register(*RULES, fields=dict(
+rules.register(*RULES[1:], late=True)  # --shard_vocab's task reads after the presets' rules
+rules.register(RULES[0], fields=dict(
     tensor_parallel_size=0, shard_vocab=False, model_type="", tp_plans=(), tp_plan_source="", tp_degree=0, heads=0,
     kv_heads=0, mlp_width=0))
