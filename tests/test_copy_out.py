@@ -429,13 +429,13 @@ def _core_lines(c) -> int:
 
 
 def test_a_copied_baseline_carries_the_spine_alone(tmp_path):
-    """No technique module and no tool: the spine, of which at most 3,227 lines hold code, comments or docstrings
-    (3,819 with the blank lines). It was 3,600 before each technique's rules moved to its module (shared/core/rules.py
+    """No technique module and no tool: the spine, of which at most 3,232 lines hold code, comments or docstrings
+    (3,824 with the blank lines). It was 3,600 before each technique's rules moved to its module (shared/core/rules.py
     keeps the generic ones: launch, sharding, processes, precision, the common flags)."""
     c = plan_copy(ROOT / "recipes" / "baseline.py", tmp_path)
     core = {rel: data.decode() for rel, (data, _) in c.files.items() if rel.startswith(f"{VENDORED}/")}
     assert core and all(rel.startswith((f"{VENDORED}/core/", f"{VENDORED}/__init__")) for rel in core), sorted(core)
-    assert sum(1 for text in core.values() for line in text.splitlines() if line.strip()) <= 3227
+    assert sum(1 for text in core.values() for line in text.splitlines() if line.strip()) <= 3232
 
 
 def test_copied_lines_and_the_readme_table():
