@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from shared.core import rules  # noqa: E402
 from shared.core.launch import free_port  # noqa: E402
+from shared.tools import catalogue  # noqa: E402, F401  (every technique's rules)
 
 # sharding -> (accelerate config, launch flags per offload); offloads not listed do not exist for that sharding. The
 # words are shared/core/rules.py's (SHARDINGS, OFFLOADS), as results.json reports them: zero3's offloads move the

@@ -39,6 +39,7 @@ STEPS = 5
 def one_process_recipes() -> list[str]:
     """Every recipe the rule table lets run as `accelerate launch recipes/<r>.py` in one process, no flags."""
     from shared.core.rules import RECIPES, Run, refusals
+    from shared.tools import catalogue  # noqa: F401  (every technique's rules, as each recipe registers its own)
 
     return sorted(r for r, support in RECIPES.items() if not refusals(
         Run(recipe=r, sharding="none", launched="none", precision=support.precision or "no")))

@@ -56,7 +56,7 @@ from transformers import (  # noqa: F401
 
 from shared.core import args as _args  # noqa: F401
 from shared.core import checkpoint, data, launch, meter, models, optim, results, tasks  # noqa: F401
-from shared.core.rules import RECIPES
+from shared.tools.catalogue import PLANS_AS
 from shared.tools.plan import (
     CPU_RUNTIME_BYTES,
     FORKED_RUNTIME_BYTES,
@@ -101,9 +101,9 @@ def planned(name: str, config: str | None = None, args: tuple[str, ...] | None =
 
 
 def unplanned(recipe: str, **run: object) -> Run:
-    """A recipe without planner rows of its own: predicted as the recipe its catalogue entry names in `plans_as`
-    (shared/core/rules.py), or not at all (`not_planned`)."""
-    like = RECIPES[recipe].plans_as
+    """A recipe without planner rows of its own: predicted as the recipe shared/tools/catalogue.py's PLANS_AS
+    names, or not at all (NOT_PLANNED)."""
+    like = PLANS_AS.get(recipe, "")
     tech = next((t for t in TECHNIQUES if t.recipe == like), None) if like else None
     return Run(recipe, technique=tech, **run)
 

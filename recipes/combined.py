@@ -44,6 +44,7 @@ from shared.techniques.deepspeed_setup import (
     patch_zero_step_to_count_states,
     schedule_the_optimizer_that_steps,
 )
+from shared.techniques.optim_8bit import check_paged  # noqa: F401  (--optim adamw_bnb_8bit's rules)
 from shared.techniques.optim_in_backward import OptimizerInBackward
 from shared.techniques.optim_low_bit import compile_each_shard_apart
 from shared.techniques.probes import forward_kept_bytes

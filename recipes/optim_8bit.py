@@ -18,7 +18,6 @@ from accelerate import Accelerator, DataLoaderConfiguration
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside recipes/, from any directory
 
-from shared.core import rules
 from shared.core.args import number, parse_args
 from shared.core.checkpoint import Preemption, maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
@@ -29,6 +28,7 @@ from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.tasks import load_task
+from shared.techniques.optim_8bit import check_paged
 
 RECIPE = "optim_8bit"
 
@@ -62,7 +62,7 @@ def main(argv=None) -> dict:
     # The technique's library, imported once the launch is known to be valid: --help and a refused launch
     # need not wait for its import (seconds).
     import bitsandbytes as bnb
-    rules.check_built(paged=args.paged, device=accelerator.device.type)  # --paged needs CUDA's unified memory
+    check_paged(args.paged, accelerator.device.type)  # --paged needs CUDA's unified memory
     task = load_task(launch, accelerator)
     max_steps = total_steps(launch, accelerator, task.train_dataloader)
     # The technique: bitsandbytes' 8-bit AdamW, same hyperparameters and parameter groups as torch AdamW.

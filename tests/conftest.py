@@ -19,6 +19,13 @@ CONFIGS = ROOT / "accelerate_configs"
 QUIET = ["--report_to", "none"]
 
 
+def pytest_configure(config):
+    """Every technique's rules in the table, as each recipe registers its own by importing its technique: tests weigh
+    runs of any recipe with rules.refusals. A hook, not an import: a training process that imports this module (for
+    run_recipe) must not load shared/tools."""
+    from shared.tools import catalogue  # noqa: F401
+
+
 def _quiet(args) -> list[str]:
     # A flag given twice with two values is refused (shared/core/args.py): a test's own --report_to replaces QUIET's.
     return [] if "--report_to" in map(str, args) else QUIET

@@ -37,11 +37,11 @@ def _spelled_then(run_name: str) -> str:
 def test_every_recipe_is_planned_or_says_why_not():
     """The catalogue (shared/core/rules.py RECIPES) is the one list of recipes: the planner's rows and the matrix's
     runs name recipes from it, and each recipe has planner rows of its own, is modelled as another recipe
-    (plans_as), or says why the planner has no model of it (not_planned): exactly one of the three."""
+    (catalogue.py PLANS_AS), or says why the planner has no model of it (NOT_PLANNED): exactly one of the three."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import matrix
 
-    from shared.core.rules import RECIPES
+    from shared.tools.catalogue import NOT_PLANNED, PLANS_AS, RECIPES
 
     rows = [*plan.TECHNIQUES, *plan.COMBINED]
     assert all(plan.has_recipe(t) for t in rows), [t.name for t in rows if not plan.has_recipe(t)]
@@ -49,16 +49,17 @@ def test_every_recipe_is_planned_or_says_why_not():
     # the modelled layouts whose recipe a checkout may lack (EP while recipes/expert_parallel.py was written, HSDP)
     # print no command; once the recipe and its catalogue entry land, their rows are planned like the others
     for t in (plan.EXPERT_PARALLEL, plan.HSDP):
-        expected = (t.recipe in RECIPES and not RECIPES[t.recipe].not_planned
+        expected = (t.recipe in RECIPES and t.recipe not in NOT_PLANNED
                     and (ROOT / "recipes" / f"{t.recipe}.py").exists())
         assert plan.has_recipe(t) == expected, t
         if plan.has_recipe(t):
             planned.add(t.recipe)
     assert planned <= set(RECIPES) and {r.recipe for r in matrix.RUNS} <= set(RECIPES)
-    for name, entry in RECIPES.items():
-        ways = {"own rows": name in planned, "plans_as": bool(entry.plans_as), "not_planned": bool(entry.not_planned)}
+    assert (PLANS_AS.keys() | NOT_PLANNED.keys()) <= RECIPES.keys()
+    for name in RECIPES:
+        ways = {"own rows": name in planned, "plans_as": name in PLANS_AS, "not_planned": name in NOT_PLANNED}
         assert sum(ways.values()) == 1, f"{name}: {ways}"
-        assert not entry.plans_as or entry.plans_as in planned, name
+        assert PLANS_AS.get(name, next(iter(planned))) in planned, name
     assert {r.recipe: r.technique.recipe for r in matrix.RUNS if r.recipe == "gradient_accumulation"} == {
         "gradient_accumulation": "baseline"}  # the matrix predicts it by its plans_as row
 

@@ -45,7 +45,9 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ..core import rules
 from ..core.models import transformer_layers
+from ..core.rules import Rule
 
 MODES = ("all", "checkpointed")
 TARGETS = ("cpu", "disk")
@@ -265,3 +267,24 @@ def offload_activations(model: nn.Module, mode: str = "all", min_bytes: int = MI
             yield offloader.ledger
     finally:
         offloader.close()
+
+
+# The refusals of this technique, in the rule table (shared/core/rules.py) once this module is imported.
+RULES = (
+    # Activation offloading (techniques/activation_offload.py): DeepSpeed's engine was not run with the hooks here.
+    Rule(lambda r: bool(r.activation_offload) and r.sharding.startswith("zero"),
+         lambda r: f"{r.flag('activation_offload')} under DeepSpeed ZeRO-{r.sharding[-1]}: the saved-tensor hooks have "
+                   "not been run with DeepSpeed's engine (its ZeRO-3 parameter hooks) here",
+         lambda r: "use one process, DDP or FSDP2 (accelerate_configs/multi_cpu.yaml, fsdp.yaml)"),
+    Rule(lambda r: r.activation_offload == "checkpointed" and r.checkpointing is False,
+         lambda r: f"{r.flag('activation_offload')} moves the inputs of checkpointed blocks, and none is checkpointed",
+         lambda r: f"add {r.flag('checkpointing')}, or pass {r.flag('activation_offload').split()[0]} all"),
+    Rule(lambda r: r.activation_offload_to == "disk" and (not r.activation_offload_dir
+                                                          or r.activation_offload != "checkpointed"),
+         lambda r: "--offload_to disk writes one file per checkpointed block input: it needs --offload_dir and "
+                   "--offload_mode checkpointed",
+         lambda r: "pass --offload_dir DIR (a local disk with room for one step's block inputs) and --offload_mode "
+                   "checkpointed, or --offload_to cpu"),
+)
+rules.register(*RULES, fields=dict(
+    activation_offload="", activation_offload_to="cpu", activation_offload_dir=False, checkpointing=None), late=True)

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..core import rules
 from ..core.losses import causal_lm_loss, shift_labels, summed_cross_entropy
+from ..core.rules import Rule
 from .deepspeed_setup import gathered_parameters
 from .probes import saved_activation_bytes
 
@@ -203,3 +204,30 @@ class ChunkedLoss:
         targets = max(1, int((labels[:, 1:] != -100).sum()))
         return {**measured, "loss_saved_bytes_plain": plain["bytes"],
                 "loss_chunked_minus_plain": (loss - reference).item() / targets}
+
+
+# The refusals of this technique, in the rule table (shared/core/rules.py) once this module is imported.
+RULES = (
+    Rule(lambda r: r.chunked_loss and r.task not in ("", "causal-lm"),
+         lambda r: f"{r.flag('chunked_loss')} chunks a causal LM's vocabulary logits, and --task {r.task} has no "
+                   "vocabulary head",
+         lambda r: f"pass --task causal-lm, or use recipes/baseline.py for {r.task}"),
+    Rule(lambda r: r.head_kind == "None",
+         lambda r: f"the {r.model_type} model has no output embeddings (get_output_embeddings() is None): "
+                   "there are no vocabulary logits to chunk",
+         lambda r: "use recipes/baseline.py", built=True),
+    Rule(lambda r: bool(r.logit_transform),
+         lambda r: f"the model transforms its logits after the head (config.{r.logit_transform}), which the chunked "
+                   "loss would skip",
+         lambda r: "use recipes/baseline.py for this model", built=True),
+    Rule(lambda r: r.head_calls != 1 or r.head_reshaped,
+         lambda r: f"the model calls its head {r.head_calls} times in a forward, or reshapes its output: the chunked "
+                   "loss cannot tell which call makes the logits",
+         lambda r: "use recipes/baseline.py", built=True),
+    Rule(lambda r: r.linear_head_needed and r.head_kind != "Linear",
+         lambda r: f"The model's head is a {r.head_kind}, not an nn.Linear",
+         lambda r: "use recipes/baseline.py", built=True),
+)
+rules.register(*RULES, fields=dict(
+    chunked_loss=False, model_type="", head_kind="", logit_transform="", head_calls=1, head_reshaped=False,
+    linear_head_needed=False), late=True)

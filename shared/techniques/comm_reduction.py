@@ -17,6 +17,9 @@ from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKw
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..core import rules
+from ..core.rules import Rule
+
 HOOKS = tuple(h.value for h in DDPCommunicationHookType)  # no, fp16, bf16, power_sgd, batched_power_sgd
 # The modules whose all_reduce calls are the gradients' (DDP's hooks) or the parameters' (LocalSGD's average).
 _SENDERS = ("torch.distributed.algorithms.ddp_comm_hooks", "accelerate.local_sgd")
@@ -90,3 +93,34 @@ class AllreduceBytes:
                 "allreduce_bytes_last_step": self.by_step[-1] if self.by_step else 0,
                 "allreduce_bytes_plain_ddp_per_step": plain,
                 "allreduce_vs_plain_ddp": per_step / plain if plain else None}
+
+
+# The refusals of this technique, in the rule table (shared/core/rules.py) once this module is imported.
+RULES = (
+    # Communication reduction (shared/techniques/comm_reduction.py): each would otherwise do nothing, silently.
+    Rule(lambda r: (r.comm_hook != "no" or r.local_sgd_steps > 0) and r.num_processes < 2,
+         lambda r: ("--local_sgd_steps" if r.local_sgd_steps else f"--comm_hook {r.comm_hook}") + " with one process: "
+                   "nothing is all-reduced (Accelerate wraps no DDP model, and LocalSGD turns itself off)",
+         lambda r: "launch 2 or more processes (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml), or drop the flag"),
+    Rule(lambda r: r.comm_hook != "no" and r.local_sgd_steps > 0,
+         lambda r: f"--comm_hook {r.comm_hook} with --local_sgd_steps: LocalSGD runs DDP under no_sync, so no "
+                   "gradient is all-reduced and the hook never runs",
+         lambda r: "pick one: --comm_hook to send every step's gradients compressed, or --local_sgd_steps"),
+    Rule(lambda r: bool(r.powersgd_typed) and "power_sgd" not in r.comm_hook,
+         lambda r: f"{r.powersgd_typed} tune PowerSGD, and --comm_hook {r.comm_hook} does not run it",
+         lambda r: "add --comm_hook power_sgd (or batched_power_sgd), or drop them"),
+    Rule(lambda r: r.comm_hook == "bf16" and not r.on_accelerator,  # though gloo all-reduces bf16 (tried here)
+         lambda r: "--comm_hook bf16 on a CPU-only machine: torch's DDP refuses bf16_compress_hook without CUDA "
+                   "and NCCL 2.10+ (or XPU and XCCL)",
+         lambda r: "use --comm_hook fp16 (the same 2 bytes a value) on CPU, bf16 on GPUs"),
+    Rule(lambda r: "power_sgd" in r.comm_hook and 0 < r.train_steps <= r.powersgd_start,
+         lambda r: f"--max_train_steps {r.train_steps} with --powersgd_start_iter {r.powersgd_start}: PowerSGD sends "
+                   "plain fp32 gradients before that step, so this run would never compress",
+         lambda r: f"pass --powersgd_start_iter below {r.train_steps} (at least 2; torch suggests 10% of the steps)"),
+    Rule(lambda r: r.local_sgd_steps > 0 and r.checkpoints,
+         lambda r: "--local_sgd_steps with checkpoints: each process steps its own AdamW moments between averages, "
+                   "and a checkpoint keeps process 0's, so a resumed run would not continue the saved one",
+         lambda r: "drop --checkpointing_steps / --resume_from_checkpoint, or use --comm_hook (replicas always equal)"),
+)
+rules.register(*RULES, fields=dict(
+    comm_hook="no", local_sgd_steps=0, powersgd_start=0, powersgd_typed="", train_steps=0, checkpoints=False))

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core import rules
+from ..core.rules import Rule, unsplit
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -171,3 +172,20 @@ def local_param_counts(model: nn.Module) -> dict[str, int]:
         names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
         counts["expert" if "ep" in names else "dense"] += (p.to_local() if isinstance(p, DTensor) else p).numel()
     return counts
+
+
+# The refusals of this technique, in the rule table (shared/core/rules.py) once this module is imported.
+RULES = (
+    Rule(lambda r: r.ep_dispatch is False,
+         lambda r: f"The {r.model_type or 'model'} config has no expert-parallel plan that dispatches tokens to "
+                   "experts (config.base_model_ep_plan with an 'ep_dispatch_experts' rule): it is not a mixture of "
+                   "experts that Transformers can split",
+         lambda r: "use --model_preset tiny-moe or a mixture-of-experts model whose config has one (Mixtral, "
+                   "Qwen-MoE, DeepSeek-V3, ...), or recipes/fsdp.py to shard a dense model", built=True),
+    Rule(lambda r: r.ep_degree > 0 and bool(unsplit(r, r.ep_degree, experts=r.experts)),
+         lambda r: f"The model's {r.experts} experts per layer do not split over {r.ep_degree} processes (each "
+                   "holds an equal share of them, whole)",
+         lambda r: "launch a divisor of it (--num_processes), or pick a model whose expert count it divides",
+         built=True),
+)
+rules.register(*RULES, fields=dict(model_type="", ep_dispatch=None, ep_degree=0, experts=0))

@@ -18,6 +18,8 @@ from accelerate import Accelerator
 from accelerate.utils.ao import find_first_last_linear_layers
 
 from ..core import rules
+from ..core.rules import RECIPES, Rule, Support
+from . import quant  # noqa: F401  (its rule on weights outside nn.Linear)
 
 FIRST_LAST = "first or last Linear"
 NOT_16 = "in/out features not multiples of 16"
@@ -61,3 +63,22 @@ def fp8_summary(accelerator: Accelerator, model: torch.nn.Module) -> dict:
     rules.check_built("fp8", model_type=inner.config.model_type, linear_only="converts to Float8Linear",
                       outside_linear=weights_outside_linear(inner))
     return {"fp8_linears": len(converted), "fp8_linear_names": converted, "kept_high_precision": kept}
+
+
+# The refusals of this technique, in the rule table (shared/core/rules.py) once this module is imported.
+RULES = (
+    # Accelerate turns fp8 into fp16 on a GPU older than Ada/Hopper with a warning, no error.
+    Rule(lambda r: bool(r.resolved_precision) and RECIPES.get(r.recipe, Support()).precision == "fp8"
+         and (r.resolved_precision != "fp8" or r.fp8_backend != "AO"),
+         lambda r: f"recipes/{r.recipe}.py asked for fp8 with torchao, and Accelerate resolved mixed_precision="
+                   f"{r.resolved_precision!r}, backend {r.fp8_backend}: this device has no FP8 support (a GPU needs "
+                   "compute capability 8.9+: Ada or Hopper)",
+         lambda r: "use recipes/mixed_precision.py --mixed_precision bf16 instead", built=True),
+    Rule(lambda r: r.fp8_converted == 0,
+         lambda r: "no nn.Linear was converted to Float8Linear (the model's Linears kept: "
+                   f"{r.fp8_kept or 'none'}; GPT-2's blocks are Conv1D, not nn.Linear), so this would train in plain "
+                   "bf16",
+         lambda r: "use a model built from nn.Linear (BERT, ViT, Llama), or recipes/mixed_precision.py "
+                   "--mixed_precision bf16", built=True),
+)
+rules.register(*RULES, fields=dict(resolved_precision="", fp8_backend="", fp8_converted=-1, fp8_kept="", model_type=""))

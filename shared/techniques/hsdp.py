@@ -18,6 +18,7 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin, ParallelismC
 from ..core import rules
 from ..core.fsdp_cpu import force_fsdp_on_cpu
 from ..core.launch import has_accelerator
+from ..core.rules import Rule, Run
 
 
 @dataclass
@@ -89,3 +90,35 @@ def shard_digest(model: torch.nn.Module, optimizer: object) -> str:
             local = t.to_local() if isinstance(t, DTensor) else t
             digest.update(local.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def _hsdp(r: Run) -> str:  # the HSDP flags given, as typed ("": none)
+    return " ".join(f"--{k} {v}" for k, v in (("dp_replicate_size", r.dp_replicate_size),
+                                              ("dp_shard_size", r.dp_shard_size)) if v)
+
+
+def _hsdp_sizes(r: Run) -> tuple[float, float]:  # (replicas, processes per replica); unset: n over the other
+    n, replicas, shard = r.num_processes, r.dp_replicate_size, r.dp_shard_size
+    return replicas or n / shard, shard or n / replicas
+
+
+def _hsdp_fills(r: Run) -> bool:
+    replicas, shard = _hsdp_sizes(r)
+    return replicas * shard == r.num_processes and replicas % 1 == shard % 1 == 0
+
+
+# The refusals of this technique, in the rule table (shared/core/rules.py) once this module is imported.
+RULES = (
+    # HSDP (recipes/fsdp.py --dp_replicate_size / --dp_shard_size; under ZeRO: the rule on launches above).
+    Rule(lambda r: bool(_hsdp(r)) and not _hsdp_fills(r),
+         lambda r: f"{_hsdp(r)} with {'one process' if r.num_processes == 1 else f'{r.num_processes} processes'}: "
+                   "the dp_replicate x dp_shard mesh must hold every process once",
+         lambda r: "launch R x S processes: accelerate_configs/hsdp.yaml (4, --dp_replicate_size 2)"
+         if r.num_processes == 1 else f"pass sizes whose product is {r.num_processes}, or one, a divisor of it "
+                                      "(e.g. --dp_replicate_size 2 on 4; nodes: --dp_shard_size = GPUs per node)"),
+    Rule(lambda r: bool(_hsdp(r)) and r.num_processes > 1 and _hsdp_fills(r) and _hsdp_sizes(r)[1] == 1,
+         lambda r: f"{_hsdp(r)} with {r.num_processes} processes makes each replica one process: plain data "
+                   "parallel, nothing for FSDP2 to shard (Accelerate refuses dp_shard_size 1 under FSDP)",
+         lambda r: "use fewer replicas (--dp_shard_size 2 or more), or recipes/data_parallel.py for DDP"),
+)
+rules.register(*RULES, fields=dict(dp_replicate_size=0, dp_shard_size=0))

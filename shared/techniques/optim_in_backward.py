@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+from ..core import rules
+from ..core.rules import Rule, launch_words
+
 
 def live_grad_bytes(params: Iterable[torch.Tensor]) -> int:
     """Bytes of the gradients alive now on these parameters, each storage once."""
@@ -108,3 +111,35 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def __repr__(self) -> str:
         first = next(iter(self.optimizers.values()), None)
         return f"{type(self).__name__}({len(self.optimizers)} x {type(first).__name__})"
+
+
+def _in_backward(run) -> bool:  # recipes/optimizer_in_backward.py, or combined.py --optimizer_in_backward
+    return run.optimizer == "adamw_in_backward" or run.in_backward
+
+
+# The refusals of this technique, in the rule table (shared/core/rules.py) once this module is imported.
+RULES = (
+    # The optimizer step in backward (recipes/optimizer_in_backward.py): a parameter steps, and its gradient is freed,
+    # the moment that gradient is complete, so nothing can look at all the gradients first, or add to them later.
+    Rule(lambda r: _in_backward(r) and r.accumulation > 1,
+         lambda r: f"--gradient_accumulation_steps {r.accumulation} with the optimizer step in backward: each "
+                   "parameter steps, and its gradient is freed, as soon as that gradient is computed, so there is no "
+                   "gradient left to accumulate the next micro-batch into",
+         lambda r: "drop the flag and raise --per_device_train_batch_size for a larger batch, or use "
+                   "recipes/gradient_accumulation.py"),
+    Rule(lambda r: _in_backward(r) and r.max_grad_norm > 0,
+         lambda r: f"--max_grad_norm {r.max_grad_norm:g} with the optimizer step in backward: clipping by the global "
+                   "norm needs every gradient before any parameter steps, and here each parameter steps (and frees "
+                   "its gradient) as soon as its own gradient exists",
+         lambda r: "pass --max_grad_norm 0 (this recipe's default), or use recipes/baseline.py to clip"),
+    Rule(lambda r: _in_backward(r) and r.precision == "fp16",
+         lambda r: "fp16 with the optimizer step in backward: the loss scaler must unscale every gradient and check "
+                   "them all for inf/NaN before any parameter steps, and here each parameter steps inside backward "
+                   "with its still-scaled gradient",
+         lambda r: "use --mixed_precision bf16 (no loss scaling) or no"),
+    Rule(lambda r: r.in_backward and r.sharding != "none",
+         lambda r: f"{r.flag('in_backward')} under {launch_words(r)}: each parameter would step in its gradient hook "
+                   "before the processes' gradients are averaged (DDP) or partitioned (ZeRO, FSDP)",
+         lambda r: f"launch one process, or drop {r.flag('in_backward')} (ZeRO-2 shards the gradients instead)"),
+)
+rules.register(*RULES, fields=dict(in_backward=False))

@@ -20,6 +20,7 @@ from ..core import rules
 from ..core.checkpoint import STAGE_FILES
 from ..core.losses import summed_loss as summed_loss  # the last stage's loss_fn: the spine's own
 from ..core.models import transformer_layers
+from ..core.rules import Rule
 
 # model_type -> (modules the first stage runs before the blocks, modules the last stage runs after them)
 FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -441,3 +442,45 @@ def checkpoint_per_process(accelerator, model: nn.Module, optimizer: torch.optim
 
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
+
+
+# The refusals of this technique, in the rule table (shared/core/rules.py) once this module is imported.
+RULES = (
+    # Pipeline schedules (recipes/pipeline_parallel.py, data_model_parallel.py) split each batch into micro-batches.
+    # A count the schedule itself cannot run (torch's schedule classes say which: recipes/pipeline_parallel.py asks).
+    Rule(lambda r: r.microbatches > 0 and bool(r.batch_size % r.microbatches or r.schedule_refuses),
+         lambda r: (f"--per_device_train_batch_size {r.batch_size} is not divisible by --n_microbatches "
+                    f"{r.microbatches}: the schedule splits each batch into that many equal micro-batches")
+         if r.batch_size % r.microbatches else (f"{r.flag('schedule')} cannot run --n_microbatches {r.microbatches} "
+                                                f"on {r.num_processes} processes (torch: {r.schedule_refuses})"),
+         lambda r: ("pick a batch size that is a multiple of it (e.g. --per_device_train_batch_size "
+                    f"{r.microbatches * max(1, r.batch_size // r.microbatches)}), or fewer --n_microbatches")
+         if r.batch_size % r.microbatches else (f"pass --n_microbatches {' or '.join(map(str, r.schedule_takes))} "
+                                                "(and a --per_device_train_batch_size it divides)")),
+    Rule(lambda r: r.microbatches > 0 and r.accumulation > 1,
+         lambda r: f"--gradient_accumulation_steps {r.accumulation}: recipes/{r.recipe}.py's micro-batches already "
+                   "accumulate (the schedule sums their gradients before each step)",
+         lambda r: "drop the flag, and raise --n_microbatches and the batch size instead"),
+    Rule(lambda r: r.stages_per_replica > 0 and (r.stages_per_replica < 2 or r.num_processes % r.stages_per_replica
+                                                  or r.num_processes == r.stages_per_replica),
+         lambda r: f"{r.num_processes} processes cannot form 2 or more replicas of "
+                   f"{r.stages_per_replica} stages ({r.flag('stages_per_replica')} must be at least 2)",
+         lambda r: f"launch a multiple of {r.stages_per_replica} processes (e.g. --num_processes "
+                   f"{2 * max(r.stages_per_replica, 2)}), or use recipes/pipeline_parallel.py for one replica"),
+    Rule(lambda r: bool(r.model_type and r.stage_families) and r.model_type not in r.stage_families,
+         lambda r: f"Pipeline stages are written for {sorted(r.stage_families)} models; this one is "
+                   f"{r.model_type!r}",
+         lambda r: "add its embeddings and head to shared/techniques/pipeline_stages.py FAMILIES and Stage.forward",
+         built=True),
+    Rule(lambda r: r.stages > 0 and 0 < r.layers < r.stages,
+         lambda r: f"The model has {r.layers} blocks, fewer than the {r.stages} stages"
+                   + (f" ({r.flags['stages']})" if r.flags.get("stages") else ""),
+         lambda r: "use fewer processes/devices or stages, or a deeper model (--model_preset base)", built=True),
+    Rule(lambda r: r.devices >= 2 and r.stages > r.devices,
+         lambda r: f"{r.flag('stages')} {r.stages} but only {r.devices} {r.device_kind} devices: each stage needs "
+                   "its own",
+         lambda r: f"pass {r.flag('stages')} {r.devices} or less", built=True),
+)
+rules.register(*RULES, fields=dict(
+    microbatches=0, schedule_refuses="", schedule_takes=(), batch_size=0, stages_per_replica=0, model_type="",
+    stage_families=(), stages=0, layers=0, devices=0, device_kind=""))

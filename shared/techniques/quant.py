@@ -12,6 +12,7 @@ from torch import nn
 
 from ..core import rules
 from ..core.models import HEAD_NAMES, transformer_layers
+from ..core.rules import Rule
 
 # Accelerate's mixed_precision -> the dtype a run computes in: bitsandbytes dequantizes to it (bnb_4bit_compute_dtype).
 COMPUTE_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -218,3 +219,54 @@ def checkpoint_trainable_only(accelerator, model: nn.Module) -> None:
 
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
+
+
+# The refusals of this technique, in the rule table (shared/core/rules.py) once this module is imported.
+RULES = (
+    Rule(lambda r: r.load_in != "full" and not r.lora,
+         lambda r: f"{r.flag('load_in')}: quantized base weights are frozen and cannot train",
+         lambda r: f"add {r.flag('lora')} (adapters train on top of them), or load full weights"),
+    Rule(lambda r: r.dora and not r.lora,
+         lambda r: f"{r.flag('dora')} makes the LoRA adapters DoRA adapters, and {r.flag('lora')} trains none",
+         lambda r: f"add {r.flag('lora')}, or drop {r.flag('dora')}"),
+    # benchmarks/compat_sweep.py: every ZeRO-3 cell of DoRA on a 4-bit base crashed in the first
+    # backward, with or without checkpointing and offload; LoRA on the same base trains there.
+    Rule(lambda r: r.dora and r.load_in != "full" and r.sharding == "zero3",
+         lambda r: f"{r.flag('dora')} on a {r.load_in.replace('bit', '-bit')} base under zero3: DeepSpeed's backward "
+                   "hooks meet a bitsandbytes weight they never partitioned (AttributeError: 'Params4bit' object has "
+                   "no attribute 'ds_status')",
+         lambda r: f"use FSDP (accelerate_configs/fsdp.yaml) or ZeRO-1/2 for DoRA, or drop {r.flag('dora')} "
+                   "(LoRA on this base trains under ZeRO-3)"),
+    Rule(lambda r: r.load_in == "8bit" and r.sharded_params,
+         lambda r: f"{r.flag('load_in')} under {r.sharding}: int8 bitsandbytes weights cannot be sharded",
+         lambda r: f"use 4-bit weights with {r.flag('quant_storage')} bfloat16, or ZeRO-1/2 / DDP"),
+    Rule(lambda r: r.load_in == "4bit" and r.sharded_params and r.quant_storage == "uint8",
+         lambda r: f"{r.flag('load_in')} under {r.sharding}: parameters are sharded per floating dtype, and "
+                   "4-bit weights are packed in uint8 by default",
+         lambda r: f"pass {r.flag('quant_storage')} bfloat16 (the model's dtype), or use ZeRO-1/2 / DDP"),
+    Rule(lambda r: r.spread_devices and r.num_processes > 1,
+         lambda r: f"{r.flag('spread_devices')} spreads one model over several devices, which cannot train "
+                   f"data-parallel in {r.num_processes} processes (each needs its whole copy)",
+         lambda r: "drop the flag (one copy per process), or launch a single process"),
+    Rule(lambda r: r.spread_devices and r.sharded_params,
+         lambda r: f"{r.flag('spread_devices')} under {r.sharding}, which places the shards itself",
+         lambda r: "drop the flag"),
+    Rule(lambda r: r.merge_unsaved,
+         lambda r: f"{r.flag('merge_unsaved')} merges the saved adapter, and --no_save_model skips saving it",
+         lambda r: "drop one of them"),
+    Rule(lambda r: r.group_size > 0 and any(f % r.group_size for f in r.in_features),
+         lambda r: f"--group_size {r.group_size} must divide the in_features of every Linear layer in the "
+                   f"transformer blocks ({sorted(set(r.in_features))})",
+         lambda r: "pass a divisor, e.g. 32", built=True),
+    # Mixtral's experts are 3-D parameters, no nn.Linear (found by benchmarks/decoder_presets.py)
+    Rule(lambda r: bool(r.linear_only and r.outside_linear),
+         lambda r: f"recipes/{r.recipe}.py {r.linear_only} the nn.Linear layers of the transformer blocks, and the "
+                   f"{r.model_type or 'model'} blocks' {r.outside_linear} are not nn.Linear layers (a mixture of "
+                   "experts' stacked expert weights and router): they would silently stay as they are",
+         lambda r: "use a dense model (--model_preset tiny-llama, or a Llama / Mistral / GPT-2 checkpoint), or train "
+                   "the mixture of experts in full precision: recipes/baseline.py, zero.py, fsdp.py, or "
+                   "recipes/combined.py --lora (PEFT's LoRA adapts the experts too)", built=True),
+)
+rules.register(*RULES, fields=dict(
+    load_in="full", quant_storage="uint8", lora=False, dora=False, spread_devices=False, merge_unsaved=False,
+    group_size=0, in_features=(), linear_only="", outside_linear="", model_type=""))

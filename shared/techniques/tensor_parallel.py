@@ -21,6 +21,7 @@ from torch import nn
 from ..core import rules
 from ..core.checkpoint import STAGE_FILES
 from ..core.models import transformer_layers
+from ..core.rules import Rule, unsplit
 
 # model_type -> {module inside each block: "colwise" | "rowwise"}; the pairs are (qkv -> out) and (up -> down).
 PLANS: dict[str, dict[str, str]] = {
@@ -268,3 +269,40 @@ def checkpoint_dtensors(accelerator, model: nn.Module, optimizer: torch.optim.Op
 
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
+
+
+# The refusals of this technique, in the rule table (shared/core/rules.py) once this module is imported.
+RULES = (
+    Rule(lambda r: r.tensor_parallel_size > 0 and (r.tensor_parallel_size < 2
+                                                    or r.num_processes % r.tensor_parallel_size),
+         lambda r: f"{r.flag('tensor_parallel_size')} {r.tensor_parallel_size} with {r.num_processes} processes: a "
+                   "tensor-parallel group needs 2 or more processes, and the groups must divide the processes",
+         lambda r: f"pass a divisor of {r.num_processes} that is at least 2 (e.g. {r.flag('tensor_parallel_size')} "
+                   "2 with accelerate_configs/tp2_dp2.yaml), leave it unset for one group of all processes, or use "
+                   "recipes/fsdp.py for data parallel alone"),
+    Rule(lambda r: r.shard_vocab and r.task not in ("", "causal-lm"),
+         lambda r: f"{r.flag('shard_vocab')} with --task {r.task}: only the causal LM has a vocabulary-sized head; "
+                   "BERT's and ViT's heads are classifiers of num_labels outputs, too small to split",
+         lambda r: f"drop {r.flag('shard_vocab')}, or use --task causal-lm"),
+    Rule(lambda r: bool(r.model_type and r.tp_plans) and r.model_type not in r.tp_plans,
+         lambda r: f"The {r.model_type!r} model has no tensor-parallel plan: its config ships no base_model_tp_plan "
+                   f"(Llama, Qwen, Mistral and Mixtral do), and shared/techniques/tensor_parallel.py PLANS has one "
+                   f"for {sorted(r.tp_plans)} only",
+         lambda r: "add its block's column/row-wise modules to shared/techniques/tensor_parallel.py PLANS, or use "
+                   "recipes/fsdp.py (it shards any model)", built=True),
+    Rule(lambda r: r.shard_vocab and r.tp_plan_source == "own",
+         lambda r: f"{r.flag('shard_vocab')} with the {r.model_type} model's own tensor-parallel plan: that plan "
+                   "already splits the embedding and the head over the vocabulary, and gathers the logits for the loss",
+         lambda r: f"drop {r.flag('shard_vocab')} (the vocabulary is split without it)", built=True),
+    Rule(lambda r: r.tp_degree > 0 and bool(unsplit(r, r.tp_degree, heads=r.heads, kv_heads=r.kv_heads,
+                                                      mlp_width=r.mlp_width)),
+         lambda r: f"The model's {unsplit(r, r.tp_degree, heads=r.heads, kv_heads=r.kv_heads, mlp_width=r.mlp_width)}"
+                   f" does not split over {r.tp_degree} processes (each takes an equal share of the heads, of the "
+                   "key/value heads and of the MLP's units)",
+         lambda r: "launch a divisor of it (--num_processes, or --tp_size), or pick a model whose heads and MLP width "
+                   "it divides", built=True),
+)
+rules.register(*RULES[1:], late=True)  # --shard_vocab's task reads after the presets' rules
+rules.register(RULES[0], fields=dict(
+    tensor_parallel_size=0, shard_vocab=False, model_type="", tp_plans=(), tp_plan_source="", tp_degree=0, heads=0,
+    kv_heads=0, mlp_width=0))

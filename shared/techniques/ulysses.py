@@ -20,6 +20,7 @@ from torch import nn
 
 from ..core import rules
 from ..core.losses import IGNORE, shift_labels, summed_cross_entropy
+from ..core.rules import RECIPES, Rule, unsplit
 
 ATTENTION = "ulysses_sdpa"  # the name this module registers in Transformers' AttentionInterface
 
@@ -102,3 +103,29 @@ def loss(model: nn.Module, chunk: dict, num_items: torch.Tensor | float, task: o
     if task is None:  # the router's load-balancing loss would silently not train
         raise ValueError("The model returns a router aux_loss (a mixture of experts): pass sp.loss(..., task=task)")
     return total + task.router_loss(out, (chunk["shift_labels"] != IGNORE).sum(), num_items)
+
+
+# The refusals of this technique, in the rule table (shared/core/rules.py) once this module is imported.
+RULES = (
+    # Sequence parallel (recipes/sequence_parallel.py): each process runs its chunk of every causal-LM sequence.
+    Rule(lambda r: RECIPES[r.recipe].splits_sequence and r.task not in ("", "causal-lm"),
+         lambda r: f"--task {r.task}: recipes/{r.recipe}.py splits causal-LM sequences (its attention is causal "
+                   "over the gathered sequence, its loss next-token)",
+         lambda r: "pass --task causal-lm, or use recipes/data_parallel.py for this task"),
+    Rule(lambda r: RECIPES[r.recipe].splits_sequence and r.seq_len and r.seq_len % r.num_processes,
+         lambda r: f"--max_seq_length {r.seq_len} does not split into {r.num_processes} equal chunks (one per "
+                   "process)",
+         lambda r: f"pass a multiple of {r.num_processes}, e.g. --max_seq_length "
+                   f"{max(r.num_processes, r.seq_len - r.seq_len % r.num_processes)}"),
+    Rule(lambda r: RECIPES[r.recipe].splits_sequence and r.task == "causal-lm" and r.packing != "concat",
+         lambda r: f"--packing {r.packing}: recipes/{r.recipe}.py attends causally over whole packed blocks, and "
+                   + ("per-document masks are not exchanged between the chunks" if r.packing == "per_document" else
+                      "padded samples of varying length do not split into equal chunks"),
+         lambda r: "use --packing concat (the default)"),
+    Rule(lambda r: r.sp_degree > 0 and bool(unsplit(r, r.sp_degree, heads=r.heads, kv_heads=r.kv_heads)),
+         lambda r: f"The model's {r.heads} attention heads ({r.kv_heads} key/value heads) do not split over "
+                   f"{r.sp_degree} processes: Ulysses gives each process heads/N of them",
+         lambda r: "launch a divisor of the head count (--num_processes), or pick a model whose heads it divides",
+         built=True),
+)
+rules.register(*RULES, fields=dict(seq_len=0, sp_degree=0, heads=0, kv_heads=0))

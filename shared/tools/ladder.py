@@ -9,6 +9,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from ..core import rules
+from . import catalogue  # noqa: F401  (every technique's rules)
 from .plan import (
     LAUNCHES,
     TORCHAO_STATES,

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core import quiet, rules
+from .catalogue import NOT_PLANNED
 from .model_configs import KNOWN_CONFIGS, known_config
 
 GB = 10**9
@@ -838,17 +839,16 @@ def has_recipe(tech: Technique) -> bool:
 
 @functools.cache
 def _recipe_here(recipe: str) -> bool:
-    """In rules.py's catalogue, in this checkout, and not marked not_planned there (the catalogue decides)."""
-    return (bool(recipe) and recipe in rules.RECIPES and not rules.RECIPES[recipe].not_planned
+    """In rules.py's catalogue, in this checkout, and not in catalogue.py's NOT_PLANNED (the catalogue decides)."""
+    return (bool(recipe) and recipe in rules.RECIPES and recipe not in NOT_PLANNED
             and (CONFIGS.parent / "recipes" / f"{recipe}.py").exists())
 
 
 def _no_recipe_reason(tech: Technique) -> str:
     if not tech.recipe:
         return "modelled only; no recipe runs this layout yet"
-    entry = rules.RECIPES.get(tech.recipe)
-    if entry is not None and entry.not_planned:
-        return f"shared/core/rules.py's catalogue marks recipes/{tech.recipe}.py not planned ({entry.not_planned})"
+    if tech.recipe in rules.RECIPES and tech.recipe in NOT_PLANNED:
+        return f"shared/tools/catalogue.py marks recipes/{tech.recipe}.py not planned ({NOT_PLANNED[tech.recipe]})"
     return f"recipes/{tech.recipe}.py is not in this checkout yet"
 
 

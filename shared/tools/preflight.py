@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from ..core.preflight import REPORT_LINE
-from ..core.rules import RECIPES
+from .catalogue import PLANS_AS
 from .plan import CPU_RUNTIME_BYTES, TECHNIQUES, Technique, compat_run, fmt, model_spec, predict
 
 
@@ -25,7 +25,7 @@ def _technique(resolved: dict) -> Technique | None:
     """The planner's model of this run, if it has one: the technique of this recipe whose sharding and offload are
     what the run resolved, and whose flags (e.g. --load_in) the run has."""
     flags = resolved["flags"]
-    recipe = RECIPES[resolved["recipe"]].plans_as or resolved["recipe"]  # e.g. accumulation: modelled as baseline
+    recipe = PLANS_AS.get(resolved["recipe"], resolved["recipe"])  # e.g. accumulation: modelled as baseline
     launched = (resolved["sharding"], resolved["offload"], resolved["offload_params"])
 
     def runs_as_launched(t: Technique) -> bool:
