@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside
 from shared.core.args import COUNT, number, parse_args
 from shared.core.checkpoint import Preemption, maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
+from shared.core.errors import LaunchError
 from shared.core.guard import DivergenceGuard
 from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
@@ -56,12 +57,12 @@ def main(argv=None) -> dict:
     reference = None
     if args.compare_to:
         if not Path(args.compare_to).is_file():
-            raise SystemExit(f"--compare_to {args.compare_to!r} does not exist. Pass the results.json of a "
-                             "1-process run of this recipe, or leave it unset.")
+            raise LaunchError(f"--compare_to {args.compare_to!r} does not exist. Pass the results.json of a "
+                              "1-process run of this recipe, or leave it unset.")
         reference = json.loads(Path(args.compare_to).read_text())
         if reference.get("num_processes") != 1 or reference.get("recipe") != RECIPE:
-            raise SystemExit(f"--compare_to {args.compare_to!r} is a {reference.get('num_processes')}-process "
-                             f"{reference.get('recipe')} run; pass the results.json of a 1-process {RECIPE} run.")
+            raise LaunchError(f"--compare_to {args.compare_to!r} is a {reference.get('num_processes')}-process "
+                              f"{reference.get('recipe')} run; pass the results.json of a 1-process {RECIPE} run.")
     ddp = DistributedDataParallelKwargs(  # how DDP averages the gradients, and what it sends: the hook's dtype or rank
         bucket_cap_mb=args.bucket_cap_mb, comm_hook=DDPCommunicationHookType(args.comm_hook),  # a str: silently none
         comm_state_option=powersgd_options(args.comm_hook, args.powersgd_rank, args.powersgd_start_iter))

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside
 from shared.core.args import COUNT, number, parse_args
 from shared.core.checkpoint import Preemption, maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
+from shared.core.errors import LaunchError
 from shared.core.guard import DivergenceGuard
 from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
@@ -151,8 +152,8 @@ def main(argv=None) -> dict:
     end_step = args.pruning_end_step or max(args.pruning_start_step + 1, int(0.7 * max_steps))
     frequency = args.pruning_frequency or max(1, (end_step - args.pruning_start_step) // 10)
     if not args.pruning_start_step < end_step <= max_steps:
-        raise SystemExit(f"Need --pruning_start_step < --pruning_end_step <= training steps ({max_steps}); got "
-                         f"{args.pruning_start_step} and {end_step}. Adjust them or --max_train_steps.")
+        raise LaunchError(f"Need --pruning_start_step < --pruning_end_step <= training steps ({max_steps}); got "
+                          f"{args.pruning_start_step} and {end_step}. Adjust them or --max_train_steps.")
     optimizer, scheduler = optimizer_and_scheduler(launch, task.model, max_steps)
 
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from shared.core.errors import RecipeError
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -800,7 +802,7 @@ def test_the_image_size_limit_is_pils_and_raising_it_works(tmp_path, monkeypatch
 
     path = str(_image_file(tmp_path / "big.png", "whole"))  # 64 x 64 = 4096 pixels
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # PIL refuses above twice the limit
-    with pytest.raises(SystemExit, match="big.png: Image size .4096 pixels. exceeds limit.*MAX_IMAGE_PIXELS"):
+    with pytest.raises(RecipeError, match="big.png: Image size .4096 pixels. exceeds limit.*MAX_IMAGE_PIXELS"):
         datacheck.check_images([path], "training")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5000)
     datacheck.check_images([path], "training")

@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python tests/test_chunked_loss.py`: the docs' table
 
+from shared.core.errors import RecipeError
 from shared.core.tasks import Task
 from shared.techniques.chunked_loss import ChunkedLoss, chunked_cross_entropy, output_head
 from shared.techniques.probes import saved_activation_bytes
@@ -118,7 +119,7 @@ def test_saved_bytes_fall_by_over_90_percent_at_the_gpt2_vocabulary():
 def test_models_that_change_logits_after_the_head_are_refused():
     model = tiny_gpt2()
     model.config.final_logit_softcapping = 30.0  # Gemma-2 soft-caps in its forward, after the head
-    with pytest.raises(SystemExit, match="final_logit_softcapping"):
+    with pytest.raises(RecipeError, match="final_logit_softcapping"):
         output_head(model)
 
 

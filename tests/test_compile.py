@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from shared.core import rules
+from shared.core.errors import RecipeError
 from shared.core.launch import resolve_compile
 from shared.core.measure import compile_times
 from tests.conftest import launch, run_recipe
@@ -111,7 +112,7 @@ def test_the_launch_configs_dynamo_settings_are_honoured_or_refused(monkeypatch)
     assert resolve_compile(args) == "regional"
     assert resolve_compile(argparse.Namespace(torch_compile="full")) == "full"  # the flag wins
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "AOT_EAGER")
-    with pytest.raises(SystemExit, match="only inductor"):
+    with pytest.raises(RecipeError, match="only inductor"):
         resolve_compile(args)
 
 

@@ -527,6 +527,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from recipe_core.core.args import parse_args
+from recipe_core.core.errors import InputError
 from recipe_core.core.launch import resolve_launch
 from recipe_core.core.tasks import load_task
 import baseline
@@ -534,7 +535,7 @@ import baseline
 launch, accelerator = resolve_launch(parse_args(sys.argv[1:]), "baseline"), Accelerator(cpu=True)
 try:
     load_task(launch, accelerator, keep_columns=("wieght",))
-except SystemExit as err:
+except InputError as err:  # an ordinary exception: a caller in the same process catches it
     refused = str(err)
 task = load_task(launch, accelerator, keep_columns=("weight",))
 model, seen = task.model.eval(), set()

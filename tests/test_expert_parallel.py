@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from shared.core import rules
+from shared.core.errors import RecipeError
 from tests.conftest import launch, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON, STEPS
 from tests.probed_run import launch_probed, run_probed
@@ -79,9 +80,9 @@ def test_refuses_one_process(tmp_path):
 def test_refuses_fp16_and_compile():
     run = rules.Run(recipe="expert_parallel", sharding="ddp", launched="ddp", num_processes=2, task="causal-lm")
     rules.check(run)  # the plain run trains
-    with pytest.raises(SystemExit, match="fp16 with recipes/expert_parallel.py.*bf16 or no"):
+    with pytest.raises(RecipeError, match="fp16 with recipes/expert_parallel.py.*bf16 or no"):
         rules.check(rules.Run(**{**run.__dict__, "precision": "fp16"}))
-    with pytest.raises(SystemExit, match="expert_parallel.py does not compile"):
+    with pytest.raises(RecipeError, match="expert_parallel.py does not compile"):
         rules.check(rules.Run(**{**run.__dict__, "compile": "regional"}))
 
 
@@ -93,8 +94,8 @@ def test_refuses_a_model_without_experts_or_experts_that_do_not_split():
     moe = preset_config("causal-lm", "tiny-moe", vocab_size=50)  # 4 experts per layer
     check_config(moe, 2)
     check_config(moe, 4)
-    with pytest.raises(SystemExit, match="4 experts per layer do not split over 3 processes"):
+    with pytest.raises(RecipeError, match="4 experts per layer do not split over 3 processes"):
         check_config(moe, 3)
     for preset in ("tiny", "tiny-llama"):  # GPT-2, and a dense Llama: no expert-parallel plan
-        with pytest.raises(SystemExit, match="no expert-parallel plan.*--model_preset tiny-moe"):
+        with pytest.raises(RecipeError, match="no expert-parallel plan.*--model_preset tiny-moe"):
             check_config(preset_config("causal-lm", preset, vocab_size=50), 2)

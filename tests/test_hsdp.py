@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from shared.core import rules
+from shared.core.errors import RecipeError
 from shared.tools import plan
 from tests.conftest import launch, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON
@@ -87,7 +88,7 @@ def test_the_halfway_checkpoint_resumes_to_the_uninterrupted_run(hsdp, tmp_path)
 ])
 def test_sizes_that_do_not_make_a_mesh_are_refused_with_the_fix(flags, world, match):
     run = rules.Run(recipe="fsdp", sharding="fsdp", launched="fsdp", num_processes=world, **flags)
-    with pytest.raises(SystemExit, match=match):
+    with pytest.raises(RecipeError, match=match):
         rules.check(run)
     for ok in ({"dp_replicate_size": 2}, {"dp_shard_size": 2}, {"dp_replicate_size": 2, "dp_shard_size": 2}):
         rules.check(rules.Run(recipe="fsdp", sharding="fsdp", launched="fsdp", num_processes=4, **ok))
@@ -98,7 +99,7 @@ def test_hsdp_under_zero_and_accelerate_tp_under_fsdp_are_refused():
     """HSDP flags under a ZeRO launch config: the launch rule names hsdp.yaml. A launch config whose own
     parallelism_config sets tp_size under FSDP: Accelerate 1.15 would import a class transformers 5.24 lacks."""
     run = rules.Run(recipe="fsdp", sharding="fsdp", launched="zero3", num_processes=4, dp_replicate_size=2)
-    with pytest.raises(SystemExit, match="ZeRO-3, and recipes/fsdp.py runs FSDP itself.*hsdp.yaml"):
+    with pytest.raises(RecipeError, match="ZeRO-3, and recipes/fsdp.py runs FSDP itself.*hsdp.yaml"):
         rules.check(run)
     with pytest.raises(ImportError):
         from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401
@@ -106,7 +107,7 @@ def test_hsdp_under_zero_and_accelerate_tp_under_fsdp_are_refused():
            "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "WORLD_SIZE": "4"}
     run = rules.Run(recipe="fsdp", sharding="fsdp", launched="fsdp", num_processes=4,
                      parallelism_config=rules.launched_parallelism(env))
-    with pytest.raises(SystemExit, match="ReplicateParallel.*recipes/tensor_parallel.py --tp_size N"):
+    with pytest.raises(RecipeError, match="ReplicateParallel.*recipes/tensor_parallel.py --tp_size N"):
         rules.check(run)
 
 

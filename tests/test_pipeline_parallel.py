@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from shared.core.errors import RecipeError
 from shared.core.launch import free_port
 from shared.core.losses import count_items
 from shared.core.models import preset_config, transformer_layers
@@ -112,7 +113,7 @@ def test_stages_compute_the_unsplit_loss_and_gradients(task, preset):
 
 def test_bad_split_fails_before_training(tmp_path):
     assert split_layers(4, 2) == [range(0, 2), range(2, 4)]
-    with pytest.raises(SystemExit, match="2 stages of at least one block"):
+    with pytest.raises(RecipeError, match="2 stages of at least one block"):
         split_layers(4, 2, "1,2")
     with pytest.raises(SystemExit, match="not divisible by --n_microbatches"):
         run_recipe("pipeline_parallel", tmp_path, "--per_device_train_batch_size", "6", "--n_microbatches", "4")
@@ -138,11 +139,11 @@ def test_bubble_is_read_from_the_schedule_and_bad_counts_are_refused(tmp_path, m
         assert max(found["interleaved_zb"], found["zbv"], found["dualpipev"]) < found["interleaved_1f1b"]
 
     # the rule table's words, torch's reason, and the nearest counts torch's schedule runs
-    with pytest.raises(SystemExit, match=r"^Refused before training: --schedule interleaved_1f1b cannot run "
-                                         r"--n_microbatches 5 on 2 processes \(torch: .*multiple of the number of "
-                                         r"rounds \(2\), but got 5\)\. Fix: Pass --n_microbatches 4 or 6 "):
+    with pytest.raises(RecipeError, match=r"^Refused before training: --schedule interleaved_1f1b cannot run "
+                                          r"--n_microbatches 5 on 2 processes \(torch: .*multiple of the number of "
+                                          r"rounds \(2\), but got 5\)\. Fix: Pass --n_microbatches 4 or 6 "):
         process_stages(classes["interleaved_1f1b"], _run(2, 5, "interleaved_1f1b"))
-    with pytest.raises(SystemExit, match=r"at least as many microbatches as stages.*Pass --n_microbatches 4 \("):
+    with pytest.raises(RecipeError, match=r"at least as many microbatches as stages.*Pass --n_microbatches 4 \("):
         process_stages(classes["dualpipev"], _run(2, 2, "dualpipev"))
     monkeypatch.setenv("WORLD_SIZE", "2")  # what `accelerate launch` with accelerate_configs/pipeline.yaml sets
     with pytest.raises(SystemExit, match="--schedule interleaved_1f1b cannot run --n_microbatches 5"):
@@ -150,8 +151,8 @@ def test_bubble_is_read_from_the_schedule_and_bad_counts_are_refused(tmp_path, m
                    "--per_device_train_batch_size", "10")
     assert not (tmp_path / "out" / "results.json").exists()
     shallow = _model_and_batch("causal-lm", layers=2)[0]  # the tiny preset's 2 blocks, for 2 x 2 stages
-    with pytest.raises(SystemExit, match=r"The model has 2 blocks, fewer than the 4 stages \(--schedule zbv: 2 "
-                                         r"stages on each of the 2 processes\)\. Fix: .*or a deeper model"):
+    with pytest.raises(RecipeError, match=r"The model has 2 blocks, fewer than the 4 stages \(--schedule zbv: 2 "
+                                          r"stages on each of the 2 processes\)\. Fix: .*or a deeper model"):
         build_stages(shallow, process_stages(classes["zbv"], _run(2, 4, "zbv")), 0, flag="--schedule zbv")
 
 
@@ -346,11 +347,12 @@ def test_each_process_saves_and_resumes_its_own_stage(tmp_path):
     # another number of processes, or another cut of the model: refused with the fix
     process = _Process(2, 3)
     checkpoint_per_process(process, *_stage_state(model, 1))
-    with pytest.raises(SystemExit, match="holds the state of 2 processes.*this run has 3.*--num_processes 2"):
+    with pytest.raises(RecipeError, match="holds the state of 2 processes.*this run has 3.*--num_processes 2"):
         process.hooks["load"]([], str(tmp_path))
     process = _Process(0, 2)
     checkpoint_per_process(process, *_stage_state(model, 0, layout="2,1"))
-    with pytest.raises(SystemExit, match="holds another stage.*Missing key.*same --pipeline_stages/--layers_per_stage"):
+    with pytest.raises(RecipeError,
+                       match="holds another stage.*Missing key.*same --pipeline_stages/--layers_per_stage"):
         process.hooks["load"]([], str(tmp_path))
 
 

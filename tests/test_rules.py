@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from shared.core import rules  # noqa: E402
+from shared.core.errors import RecipeError
 from shared.core.rules import RECIPES, RULES, SHARDINGS, Run  # noqa: E402
 
 # (file, function, the message's first words) -> why it is a bad input and not a combination refusal.
@@ -72,13 +73,17 @@ def _first_words(message: ast.expr) -> str:
     return message.value[:40] if isinstance(message, ast.Constant) and isinstance(message.value, str) else ""
 
 
+# What a refusal raises: SystemExit, or one of the project's errors (shared/core/errors.py).
+_REFUSALS = ("SystemExit", "RecipeError", "LaunchError", "InputError", "CheckpointError", "TrainingError")
+
+
 def _is_exit(node: ast.AST) -> ast.Call | ast.Name | None:
-    """The SystemExit a node raises (`raise SystemExit(...)`, `raise SystemExit`, `sys.exit(...)`), else None."""
+    """The refusal a node raises (`raise SystemExit(...)`, `raise LaunchError(...)`, `sys.exit(...)`), else None."""
     if isinstance(node, ast.Raise):
         exc = node.exc
-        if isinstance(exc, ast.Name) and exc.id == "SystemExit":
+        if isinstance(exc, ast.Name) and exc.id in _REFUSALS:
             return exc
-        if isinstance(exc, ast.Call) and isinstance(exc.func, ast.Name) and exc.func.id == "SystemExit":
+        if isinstance(exc, ast.Call) and isinstance(exc.func, ast.Name) and exc.func.id in _REFUSALS:
             return exc
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "exit"
             and isinstance(node.func.value, ast.Name) and node.func.value.id == "sys"):
@@ -204,11 +209,11 @@ def test_built_rules_wait_for_their_facts():
 
 
 def test_check_built_refuses_with_the_reason_and_the_fix():
-    with pytest.raises(SystemExit, match=r"--num_stages 4 but only 2 cuda devices.*Fix: Pass --num_stages 2 or less"):
+    with pytest.raises(RecipeError, match=r"--num_stages 4 but only 2 cuda devices.*Fix: Pass --num_stages 2 or less"):
         rules.check_built(stages=4, devices=2, device_kind="cuda", flags={"stages": "--num_stages"})
     rules.check_built(stages=2, devices=2, device_kind="cuda")  # fits: nothing raised
     rules.check_built(heads=4, mlp_width=16, tp_degree=2)
-    with pytest.raises(SystemExit, match=r"MLP width \(6\) does not split over 4 processes"):
+    with pytest.raises(RecipeError, match=r"MLP width \(6\) does not split over 4 processes"):
         rules.check_built(heads=4, mlp_width=6, tp_degree=4)
 
 

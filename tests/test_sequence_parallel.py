@@ -9,6 +9,7 @@ import subprocess
 import pytest
 import torch
 
+from shared.core.errors import RecipeError
 from shared.techniques import ulysses as sp
 from tests.conftest import ROOT, launch, launch_command, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON
@@ -120,7 +121,7 @@ def test_the_rule_table_refuses_what_does_not_split(changes, match):
     run = dict(recipe="sequence_parallel", sharding="ddp", launched="ddp", num_processes=2, task="causal-lm",
                seq_len=128, packing="concat")
     check(Run(**run))  # the default run trains
-    with pytest.raises(SystemExit, match=match):
+    with pytest.raises(RecipeError, match=match):
         check(Run(**{**run, **changes}))
 
 
@@ -128,7 +129,7 @@ def test_refuses_heads_that_do_not_split():
     from transformers import AutoModelForCausalLM, GPT2Config
 
     model = AutoModelForCausalLM.from_config(GPT2Config(n_embd=48, n_layer=1, n_head=3, vocab_size=32))
-    with pytest.raises(SystemExit, match="3 attention heads.*do not split over 2 processes"):
+    with pytest.raises(RecipeError, match="3 attention heads.*do not split over 2 processes"):
         sp.enable(model, 2)
 
 

@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from shared.core.errors import RecipeError
 from shared.techniques.tensor_parallel import PLANS, _fused_qkv_order
 from tests.conftest import launch, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON
@@ -101,7 +102,7 @@ def test_refuses_what_it_does_not_do_yet(asks, match):
 
     run = Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=2, task="causal-lm")
     check(run)  # the plain run trains
-    with pytest.raises(SystemExit, match=match):
+    with pytest.raises(RecipeError, match=match):
         check(Run(**{**run.__dict__, **asks}))
 
 
@@ -139,13 +140,13 @@ def test_refuses_a_model_without_a_plan_or_heads_that_do_not_split():
     llama = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=32)
     assert family_of(llama, 2) == OWN  # its config ships base_model_tp_plan
-    with pytest.raises(SystemExit, match=r"key/value heads \(2\) does not split over 4 processes"):
+    with pytest.raises(RecipeError, match=r"key/value heads \(2\) does not split over 4 processes"):
         family_of(llama, 4)  # the 4 query heads would split, the 2 KV heads not
-    with pytest.raises(SystemExit, match="--shard_vocab with the llama model's own.*Drop --shard_vocab"):
+    with pytest.raises(RecipeError, match="--shard_vocab with the llama model's own.*Drop --shard_vocab"):
         family_of(llama, 2, shard_vocab=True)
-    with pytest.raises(SystemExit, match="'opt' model has no tensor-parallel plan.*base_model_tp_plan"):
+    with pytest.raises(RecipeError, match="'opt' model has no tensor-parallel plan.*base_model_tp_plan"):
         family_of(OPTConfig(), 2)  # refused from the config: no weights were built
     gpt2 = preset_config("causal-lm", "tiny", vocab_size=50)
     assert family_of(gpt2, 2) == "gpt2" and family_of(gpt2, 2, shard_vocab=True) == "gpt2"
-    with pytest.raises(SystemExit, match="does not split over 3 processes"):
+    with pytest.raises(RecipeError, match="does not split over 3 processes"):
         family_of(gpt2, 3)

@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from shared.core import rules
+from shared.core.errors import RecipeError
 from shared.tools import plan
 from tests.conftest import launch, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON
@@ -59,7 +60,7 @@ def test_tp_size_must_divide_the_processes(tp, world, ok):
     if ok:
         rules.check(run)
     else:
-        with pytest.raises(SystemExit, match=f"--tp_size {tp} with {world} processes.*divisor of {world}"):
+        with pytest.raises(RecipeError, match=f"--tp_size {tp} with {world} processes.*divisor of {world}"):
             rules.check(run)
 
 
@@ -69,7 +70,7 @@ def test_accelerate_parallelism_config_on_cpu_is_refused_with_the_alternative():
     assert rules.launched_parallelism(env) == "tp=2 cp=2" and rules.launched_parallelism({}) == ""
     run = rules.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=4, on_accelerator=False,
                      parallelism_config=rules.launched_parallelism(env))
-    with pytest.raises(SystemExit, match="ParallelismConfig.*CPU.*context parallel.*sdpa.*--tp_size N.*tp2_dp2"):
+    with pytest.raises(RecipeError, match="ParallelismConfig.*CPU.*context parallel.*sdpa.*--tp_size N.*tp2_dp2"):
         rules.check(run)
     rules.check(rules.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=4,
                             parallelism_config="tp=2"))  # on GPUs the table leaves it to Accelerate
@@ -135,7 +136,7 @@ def test_dcp_hooks_round_trip_and_refuse_another_mesh(tmp_path):
     gpt2, *rest = _trained(3)
     gpt2.config = SimpleNamespace(model_type="gpt2")
     checkpoint_dtensors(elsewhere, gpt2, *rest, {"dp": 1, "tp": 4})
-    with pytest.raises(SystemExit, match=r"saved on the mesh \{'dp': 1, 'tp': 2\}.*fused qkv.*--tp_size 2"):
+    with pytest.raises(RecipeError, match=r"saved on the mesh \{'dp': 1, 'tp': 2\}.*fused qkv.*--tp_size 2"):
         elsewhere.load([], str(tmp_path))
-    with pytest.raises(SystemExit, match="no mesh.json.*not saved by a DTensor run"):
+    with pytest.raises(RecipeError, match="no mesh.json.*not saved by a DTensor run"):
         elsewhere.load([], str(tmp_path / "dcp"))

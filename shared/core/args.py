@@ -9,6 +9,8 @@ import sys
 from collections.abc import Callable, Sequence
 from difflib import get_close_matches
 
+from .errors import LaunchError
+
 PRESETS = ("tiny", "base", "tiny-llama", "tiny-moe")  # --model_preset (shared/core/models.py builds them)
 
 TASKS = ("text-classification", "causal-lm", "image-classification")
@@ -93,7 +95,7 @@ class _Parser(argparse.ArgumentParser):
                 meant = [name] if name.split()[0] in opts else get_close_matches(name, opts, 1)
                 message += f". {flag}: " + (f"did you mean {meant[0]}?" if meant else "no such flag (see --help)")
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # under a launcher: shown once, in its summary (entrypoint)
-            raise SystemExit(f"{self.prog}: error: {message}")
+            raise LaunchError(f"{self.prog}: error: {message}")
         super().error(message)
 
 

@@ -21,6 +21,7 @@ import torch
 
 from . import rules, rundir
 from .accelerate_compat import prepared_models, prepared_schedulers
+from .errors import CheckpointError
 
 if TYPE_CHECKING:
     from .launch import Launch
@@ -274,12 +275,12 @@ def find_checkpoint(launch: Launch, num_processes: int) -> Path | None:
         return None
     path = Path(wanted)
     if not path.is_dir():
-        raise SystemExit(f"--resume_from_checkpoint {wanted!r} does not exist. Pass a directory under "
-                         f"{root} or 'latest'.")
+        raise CheckpointError(f"--resume_from_checkpoint {wanted!r} does not exist. Pass a directory under "
+                              f"{root} or 'latest'.")
     problem = verify_checkpoint(path)
     if problem:
-        raise SystemExit(f"--resume_from_checkpoint {wanted!r} is not a complete checkpoint: {problem}. "
-                         "Pass another checkpoint, or 'latest' to take the newest complete one.")
+        raise CheckpointError(f"--resume_from_checkpoint {wanted!r} is not a complete checkpoint: {problem}. "
+                              "Pass another checkpoint, or 'latest' to take the newest complete one.")
     return path
 
 
@@ -292,9 +293,10 @@ def _refuse_overwriting_another_run(launch: Launch, num_processes: int) -> None:
     for path in sorted(checkpoints_root(launch.output_dir).glob("step_*")):
         other = differences(saved_run(path), run, FIXED) if verify_checkpoint(path) is None else {}
         if other:
-            raise SystemExit(f"{path.parent} holds checkpoints of another run ({path.name}: {_described(other)}), "
-                             "which this run's checkpoints would replace. Pass another --output_dir, or resume that "
-                             "run with its own settings and --resume_from_checkpoint latest.")
+            raise CheckpointError(f"{path.parent} holds checkpoints of another run ({path.name}: "
+                                  f"{_described(other)}), which this run's checkpoints would replace. Pass another "
+                                  "--output_dir, or resume that run with its own settings and "
+                                  "--resume_from_checkpoint latest.")
 
 
 _resume_changes: dict = {}  # this process's resume: setting -> (saved, now), applied (written by resume() only)
@@ -330,21 +332,23 @@ def resume(accelerator, launch: Launch, max_steps: int) -> tuple[int, int]:
     run, saved = run_identity(launch, accelerator.num_processes), saved_run(path)
     fixed = differences(saved, run, FIXED)
     if fixed:
-        raise SystemExit(f"{path} was written by another run: {_described(fixed)}. Resume with that run's settings, or "
-                         "start afresh in another --output_dir (the data position, model or batch would differ).")
+        raise CheckpointError(f"{path} was written by another run: {_described(fixed)}. Resume with that run's "
+                              "settings, or start afresh in another --output_dir (the data position, model or batch "
+                              "would differ).")
     consumed = reshard(launch, path, saved, run, state["micro_batches"])
     if steps and state["step"] > steps:
-        raise SystemExit(f"{path} is at step {state['step']}, past this run's {steps} steps. Pass "
-                         f"--max_train_steps {state['step']} or more (or --num_train_epochs) to train on.")
+        raise CheckpointError(f"{path} is at step {state['step']}, past this run's {steps} steps. Pass "
+                              f"--max_train_steps {state['step']} or more (or --num_train_epochs) to train on.")
     if state["step"] == steps:  # a run stopped after its last step (killed in its final save or evaluation)
         logger.warning("%s is at the last step (%d): nothing to train; the model, evaluation and results are written "
                        "from it", path, steps)
     changes = differences(saved, run, CHANGEABLE)
     # A recipe that checkpoints its own schedulers (pipeline stages) cannot take a new rate: refused before loading.
     if "learning_rate" in changes and not prepared_schedulers(accelerator):
-        raise SystemExit(f"--learning_rate {launch.learning_rate:g}: {path} was trained at "
-                         f"{changes['learning_rate'][0]:g}, and recipes/{launch.recipe}.py keeps its schedulers apart "
-                         "from Accelerate's, so a new rate cannot be applied on resume. Resume with the old one.")
+        raise CheckpointError(f"--learning_rate {launch.learning_rate:g}: {path} was trained at "
+                              f"{changes['learning_rate'][0]:g}, and recipes/{launch.recipe}.py keeps its schedulers "
+                              "apart from Accelerate's, so a new rate cannot be applied on resume. Resume with the old "
+                              "one.")
     accelerator.load_state(str(path))
     _resume_changes.update(changes)
     if "learning_rate" in changes:
@@ -377,5 +381,5 @@ def reshard(launch: Launch, path: Path, saved: dict, run: dict, micro_batches: i
             f" --per_device_train_batch_size {per:g}" if per.is_integer() else f" a batch of {batch(saved)}")
     else:
         return micro_batches // saved["gradient_accumulation_steps"] * run["gradient_accumulation_steps"]
-    raise SystemExit(f"{path} was written on another layout ({_described(layout)}); {fix}, or start afresh in "
-                     "another --output_dir (docs/resharding.md).")
+    raise CheckpointError(f"{path} was written on another layout ({_described(layout)}); {fix}, or start afresh in "
+                          "another --output_dir (docs/resharding.md).")

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from . import datacheck
+from .errors import InputError
 
 # ---------------------------------------------------------------- built-in offline datasets (deterministic)
 _POSITIVE = "great excellent superb wonderful delightful brilliant enjoyable charming moving fresh clever".split()
@@ -98,29 +99,29 @@ def check_paths(args: argparse.Namespace) -> None:
     for flag in ("train_file", "validation_file", "train_dir", "validation_dir"):
         path = getattr(args, flag)
         if path and not Path(path).exists():
-            raise SystemExit(f"--{flag} {path!r} does not exist. Pass an existing path (relative to {Path.cwd()}).")
+            raise InputError(f"--{flag} {path!r} does not exist. Pass an existing path (relative to {Path.cwd()}).")
     for flag in ("train_file", "validation_file"):
         path = getattr(args, flag)
         if path:
             kind = _FILE_TYPES.get(Path(path).suffix.lower())
             if kind is None:
-                raise SystemExit(f"--{flag} {path!r}: unknown file type. Use one of {sorted(_FILE_TYPES)}.")
+                raise InputError(f"--{flag} {path!r}: unknown file type. Use one of {sorted(_FILE_TYPES)}.")
             if kind == "text" and args.task != "causal-lm":
-                raise SystemExit(f"--{flag} {path!r}: .txt has no labels; it serves --task causal-lm only. "
+                raise InputError(f"--{flag} {path!r}: .txt has no labels; it serves --task causal-lm only. "
                                  "Use csv, json/jsonl or parquet with a label column.")
     name = args.dataset_name
     if name and name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists():
-        raise SystemExit(f"--dataset_name {name!r} does not exist. Pass an existing directory, a hub dataset id, "
+        raise InputError(f"--dataset_name {name!r} does not exist. Pass an existing directory, a hub dataset id, "
                          "or --train_file for a local file.")
     if (args.train_dir or args.validation_dir) and args.task != "image-classification":
-        raise SystemExit("--train_dir/--validation_dir are image folders: use them with --task image-classification.")
+        raise InputError("--train_dir/--validation_dir are image folders: use them with --task image-classification.")
     sources = [s for s in ("dataset_name", "train_file", "train_dir") if getattr(args, s)]
     if len(sources) > 1:
-        raise SystemExit(f"Pass one data source, not {', '.join('--' + s for s in sources)}.")
+        raise InputError(f"Pass one data source, not {', '.join('--' + s for s in sources)}.")
     if args.validation_file and not args.train_file:
-        raise SystemExit("--validation_file needs --train_file.")
+        raise InputError("--validation_file needs --train_file.")
     if args.validation_dir and not args.train_dir:
-        raise SystemExit("--validation_dir needs --train_dir.")
+        raise InputError("--validation_dir needs --train_dir.")
 
 
 def load_raw_splits(args: argparse.Namespace) -> tuple[object, object, str]:
@@ -143,11 +144,11 @@ def load_raw_splits(args: argparse.Namespace) -> tuple[object, object, str]:
             loaded = datasets.load_dataset(args.dataset_name, args.dataset_config_name,
                                            trust_remote_code=args.trust_remote_code or None)
         except (ConnectionError, FileNotFoundError) as err:  # datasets' words for offline, and for no such id
-            raise SystemExit(f"Could not load the hub dataset {args.dataset_name!r} ({type(err).__name__}: "
+            raise InputError(f"Could not load the hub dataset {args.dataset_name!r} ({type(err).__name__}: "
                              f"{str(err).splitlines()[0]}). Check the id and the network (HF_HUB_OFFLINE=1 forbids "
                              "downloads), or pass local data: --train_file, or --train_dir for images.") from None
         if "train" not in loaded:
-            raise SystemExit(f"The dataset {args.dataset_name!r} has no 'train' split (it has {sorted(loaded)}). "
+            raise InputError(f"The dataset {args.dataset_name!r} has no 'train' split (it has {sorted(loaded)}). "
                              "Pass --dataset_config_name for a configuration with one, or its files as "
                              "--train_file and --validation_file.")
         val_name = next((s for s in ("validation", "valid", "test") if s in loaded), None)
@@ -156,7 +157,7 @@ def load_raw_splits(args: argparse.Namespace) -> tuple[object, object, str]:
     else:
         return builtin_split(args.task, "train"), builtin_split(args.task, "validation"), "built-in offline dataset"
     if not isinstance(train, dict) and len(train) == 0:
-        raise SystemExit(f"The training data ({source}) is empty.")
+        raise InputError(f"The training data ({source}) is empty.")
     return train, val, source
 
 
@@ -182,12 +183,12 @@ def _load_file(path: str):
         ds = datasets.load_dataset(kind, data_files={"train": path}, split="train")
     except ValueError as err:
         if "corresponds to no data" in str(err):  # datasets' words for a file with a header and no rows
-            raise SystemExit(f"The data file {path} is empty. Pass a file with rows.") from None
+            raise InputError(f"The data file {path} is empty. Pass a file with rows.") from None
         raise datacheck.explain_unreadable(path, kind, err) from None
     except datasets.exceptions.DatasetGenerationError as err:
         raise datacheck.explain_unreadable(path, kind, err) from None
     if kind == "json" and len(ds) == 1 and all(isinstance(v, dict) for v in ds[0].values()):
-        raise SystemExit(f"{path} is one JSON object of columns ({{column: {{row: value}}}}: pandas' df.to_json(path)"
+        raise InputError(f"{path} is one JSON object of columns ({{column: {{row: value}}}}: pandas' df.to_json(path)"
                          '), not a record per row. Save it with df.to_json(path, orient="records", lines=True).')
     return ds
 
@@ -206,11 +207,11 @@ def image_folder(root: str, classes: list[str] | None = None) -> dict[str, list]
     root_path = Path(root)
     found = sorted(p.name for p in root_path.iterdir() if p.is_dir())
     if not found:
-        raise SystemExit(f"{root!r} holds no class subfolders. Lay images out as {root}/<class_name>/<image>.png.")
+        raise InputError(f"{root!r} holds no class subfolders. Lay images out as {root}/<class_name>/<image>.png.")
     classes = classes or found
     unknown = set(found) - set(classes)
     if unknown:
-        raise SystemExit(f"{root!r} has classes {sorted(unknown)} that the training folder lacks.")
+        raise InputError(f"{root!r} has classes {sorted(unknown)} that the training folder lacks.")
     paths, labels = [], []
     for label, name in enumerate(classes):
         for p in sorted((root_path / name).glob("*")):
@@ -218,7 +219,7 @@ def image_folder(root: str, classes: list[str] | None = None) -> dict[str, list]
                 paths.append(str(p))
                 labels.append(label)
     if not paths:
-        raise SystemExit(f"{root!r} holds no images (png, jpg, jpeg, bmp, gif, webp).")
+        raise InputError(f"{root!r} holds no images (png, jpg, jpeg, bmp, gif, webp).")
     return {"image": paths, "label": labels, "classes": classes}
 
 
@@ -226,14 +227,14 @@ def pick_column(columns: list[str], wanted: str | None, guesses: tuple[str, ...]
     """The named column, or the first common name present; a clear error naming the columns that exist."""
     if wanted:
         if wanted not in columns:
-            raise SystemExit(f"--{flag} {wanted!r} is not a column of the data. Columns: {columns}. "
+            raise InputError(f"--{flag} {wanted!r} is not a column of the data. Columns: {columns}. "
                              f"Pass --{flag} with one of them.")
         return wanted
     for name in guesses:
         if name in columns:
             return name
     pairs = " (sentence pairs such as GLUE's sentence1/sentence2: also --text_pair_column)" if what == "text" else ""
-    raise SystemExit(f"Found no {what} column among {columns}. Pass --{flag} naming it{pairs}.")
+    raise InputError(f"Found no {what} column among {columns}. Pass --{flag} naming it{pairs}.")
 
 
 def column_names(split: object) -> list[str]:

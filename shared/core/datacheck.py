@@ -9,6 +9,8 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from .errors import InputError
+
 logger = logging.getLogger("recipes")
 
 _SHOWN = 5  # rows named in a message; the count says how many more
@@ -52,14 +54,14 @@ def _is_json_array(raw: bytes) -> bool:
 
 def check_same_columns(train_columns: list[str], val_columns: list[str], train_file: str, val_file: str) -> None:
     if set(train_columns) != set(val_columns):
-        raise SystemExit(f"{val_file} has columns {val_columns}, {train_file} has {train_columns}: the splits must "
+        raise InputError(f"{val_file} has columns {val_columns}, {train_file} has {train_columns}: the splits must "
                          "have the same columns. Rename or drop columns so that they match.")
 
 
 def check_can_hold_out(n_rows: int, source: str) -> None:
     """Without a validation split, 10% of the training rows are held out: that needs at least two rows."""
     if n_rows < 2:
-        raise SystemExit(f"The training data ({source}) holds {n_rows} row: too few to hold out 10% for evaluation. "
+        raise InputError(f"The training data ({source}) holds {n_rows} row: too few to hold out 10% for evaluation. "
                          "Pass --validation_file, or add rows (a .txt file holds one document per line).")
 
 
@@ -69,19 +71,19 @@ def check_texts(values: list, column: str, split: str, allow_empty: bool = False
     not_text = [i for i, v in enumerate(values) if v is not None and not isinstance(v, str)]
     if not_text:
         example = values[not_text[0]]
-        raise SystemExit(f"The {split} column {column!r} holds {type(example).__name__} values, not text (row "
+        raise InputError(f"The {split} column {column!r} holds {type(example).__name__} values, not text (row "
                          f"{_rows(not_text)}, e.g. {example!r}). Pass --text_column naming the column of texts.")
     if allow_empty:
         return
     empty = [i for i, v in enumerate(values) if v is None or not v.strip()]
     if empty:
-        raise SystemExit(f"The {split} column {column!r} has {len(empty)} empty cell(s), row {_rows(empty)}. Fill "
+        raise InputError(f"The {split} column {column!r} has {len(empty)} empty cell(s), row {_rows(empty)}. Fill "
                          "or drop those rows: an empty text trains the label on nothing but special tokens.")
 
 
 def check_seq_length(max_seq_length: int, specials: int, task: str, least: int = 4) -> None:
     if max_seq_length - specials < least:  # below the specials nothing is cut, at them [CLS] [SEP]; 4: a phrase
-        raise SystemExit(f"--max_seq_length {max_seq_length} leaves {max(0, max_seq_length - specials)} token(s) of "
+        raise InputError(f"--max_seq_length {max_seq_length} leaves {max(0, max_seq_length - specials)} token(s) of "
                          f"text per {task} sample beside the tokenizer's {specials} special tokens; {least} is the "
                          f"least that trains. Pass --max_seq_length {specials + least} or more.")
 
@@ -91,31 +93,31 @@ def check_label_values(values: list, column: str, split: str) -> None:
     """Every cell of a label column holds a class: one value, not empty, not a fraction, not negative."""
     header = [i for i, v in enumerate(values) if v == column]  # two csv files joined by `cat`
     if header:
-        raise SystemExit(f"The {split} data repeats its header row at row {_rows(header)}: a class named {column!r} "
+        raise InputError(f"The {split} data repeats its header row at row {_rows(header)}: a class named {column!r} "
                          "would train. Delete those rows (join files with `tail -n +2` for all but the first).")
     nested = [i for i, v in enumerate(values) if isinstance(v, (list, dict, tuple))]
     if nested:
-        raise SystemExit(f"The {split} label column {column!r} holds {type(values[nested[0]]).__name__} values (row "
+        raise InputError(f"The {split} label column {column!r} holds {type(values[nested[0]]).__name__} values (row "
                          f"{_rows(nested)}, e.g. {values[nested[0]]!r}): these recipes train one class per example, "
                          "not multi-label targets. Pass --label_column naming a column of single classes.")
     empty = [i for i, v in enumerate(values) if v is None or (isinstance(v, float) and math.isnan(v))
              or (isinstance(v, str) and not v.strip())]
     if empty:
-        raise SystemExit(f"The {split} label column {column!r} has {len(empty)} empty cell(s), row "
+        raise InputError(f"The {split} label column {column!r} has {len(empty)} empty cell(s), row "
                          f"{_rows(empty)}. Fill or drop those rows: an empty label is not a class.")
     strings = [i for i, v in enumerate(values) if isinstance(v, str)]
     if 0 < len(strings) < len(values):  # 0/1 beside "neg"/"pos": four classes where two were meant
-        raise SystemExit(f"The {split} label column {column!r} mixes numbers and strings (strings at row "
+        raise InputError(f"The {split} label column {column!r} mixes numbers and strings (strings at row "
                          f"{_rows(strings)}, e.g. {values[strings[0]]!r}): each spelling would be a class of its "
                          "own. Write every label one way: all numbers, or all names.")
     fractional = [i for i, v in enumerate(values) if isinstance(v, float) and not v.is_integer()]
     if fractional:
-        raise SystemExit(f"The {split} label column {column!r} holds fractions (row {_rows(fractional)}, e.g. "
+        raise InputError(f"The {split} label column {column!r} holds fractions (row {_rows(fractional)}, e.g. "
                          f"{values[fractional[0]]}): these recipes classify, they do not regress. Pass "
                          "--label_column naming a column of classes.")
     negative = [i for i, v in enumerate(values) if isinstance(v, (int, float)) and v < 0]
     if negative:
-        raise SystemExit(f"The {split} label column {column!r} has negative labels (row {_rows(negative)}, "
+        raise InputError(f"The {split} label column {column!r} has negative labels (row {_rows(negative)}, "
                          f"e.g. {values[negative[0]]}); GLUE's test splits mark unlabelled rows with -1. Drop "
                          "those rows, or use a split with labels.")
 
@@ -127,20 +129,20 @@ def label_set(train: list, val: list, column: str) -> tuple[list, dict]:
     train_keys = [_key(v) for v in train]
     counts = Counter(train_keys)
     if len(counts) < 2:
-        raise SystemExit(f"The training label column {column!r} holds one class ({next(iter(counts))!r}): a "
+        raise InputError(f"The training label column {column!r} holds one class ({next(iter(counts))!r}): a "
                          "classifier needs at least two, and one class would score accuracy 1.0 having learned "
                          "nothing. Add examples of the other classes, or pass --label_column naming the label column.")
     if len(counts) > 2 and len(counts) > len(train) / 2:
-        raise SystemExit(f"The label column {column!r} has {len(counts)} different values in {len(train)} training "
+        raise InputError(f"The label column {column!r} has {len(counts)} different values in {len(train)} training "
                          f"rows (e.g. {list(counts)[:3]}): a class seen about once cannot be learned. Is it a text "
                          "column? Pass --label_column naming the column of classes.")
     unseen = sorted({_key(v) for v in val} - set(counts), key=str)
     if unseen and {str(k) for k in unseen} <= {str(k) for k in counts}:
-        raise SystemExit(f"The validation labels {unseen[:_SHOWN]} are {type(unseen[0]).__name__}s, the training "
+        raise InputError(f"The validation labels {unseen[:_SHOWN]} are {type(unseen[0]).__name__}s, the training "
                          f"labels the same as {type(next(iter(counts))).__name__}s: no class would match. Write "
                          f"{column!r} one way in both splits: numbers (0, not \"0\", in JSON) or strings.")
     if unseen:
-        raise SystemExit(f"The validation labels {unseen[:_SHOWN]} never occur in the training data: no step would "
+        raise InputError(f"The validation labels {unseen[:_SHOWN]} never occur in the training data: no step would "
                          "ever train them, and evaluation would count them as errors. Add training examples of "
                          "them, or drop those validation rows.")
     if len(counts) > 20 and len(counts) > len(train) / 10:
@@ -181,18 +183,18 @@ def check_images(paths: list, split: str) -> None:
                 image.draft("RGB", (64, 64))
                 image.load()
         except Image.DecompressionBombError as err:  # PIL's guard: kept, and the user decides
-            raise SystemExit(f"{path}: {err} Resize it (the model sees a few hundred pixels a side), or, trusting "
+            raise InputError(f"{path}: {err} Resize it (the model sees a few hundred pixels a side), or, trusting "
                              "the file, raise the limit before main(): PIL.Image.MAX_IMAGE_PIXELS = <pixels>.") from err
         except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as err:
             broken.append(f"{path} ({type(err).__name__}: {err})")
     if broken:
-        raise SystemExit(f"{len(broken)} {split} image(s) do not open or decode: {', '.join(broken[:_SHOWN])}. "
+        raise InputError(f"{len(broken)} {split} image(s) do not open or decode: {', '.join(broken[:_SHOWN])}. "
                          "Remove or replace them (a truncated file is often an interrupted copy: copy it again).")
 
 
 def check_held_out(train: object, val: object | None, columns: list) -> None:  # the same file, a copy, or a subset
     rows = lambda s: {hash(r) for r in zip(*(s[c] for c in filter(None, columns)), strict=True)}  # noqa: E731
     if val is not None and len(val[columns[0]]) and rows(val) <= rows(train):  # one pass each, hashes only
-        raise SystemExit(f"All {len(val[columns[0]])} validation rows occur in the training data: evaluation would "
+        raise InputError(f"All {len(val[columns[0]])} validation rows occur in the training data: evaluation would "
                          "score rows the model trained on. Pass held-out data as --validation_file (--validation_dir), "
                          "or drop the flag: 10% of the training rows are then held out.")

@@ -6,6 +6,8 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 
+from .errors import LaunchError
+
 
 def force_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin | None) -> None:
     """Turn a gloo-backed Accelerator (distributed_type NO, N processes) into a real FSDP2 one.
@@ -18,8 +20,8 @@ def force_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallel
 
     plugin = plugin if plugin is not None else FullyShardedDataParallelPlugin()  # from the FSDP_* launch env
     if plugin.fsdp_version != 2:
-        raise SystemExit("FSDP1 on CPU segfaults when saving a full state dict and fails with offload on this stack. "
-                         "Set `fsdp_version: 2` in the accelerate config (see accelerate_configs/fsdp.yaml).")
+        raise LaunchError("FSDP1 on CPU segfaults when saving a full state dict and fails with offload on this stack. "
+                          "Set `fsdp_version: 2` in the accelerate config (see accelerate_configs/fsdp.yaml).")
     if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
         # The default policy pins host memory, which needs a GPU: offload then fails on a CPU-only machine.
         plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .checkpoint import save_checkpoint
+from .errors import TrainingError
 
 if TYPE_CHECKING:
     from .launch import Launch
@@ -90,5 +91,5 @@ class DivergenceGuard:
         save_checkpoint(acc, launch, step, micro_batches=step * launch.gradient_accumulation_steps, final=path,
                         writes=self.writes)
         acc.end_training()
-        raise SystemExit(f"Stopped: {reason}. The training state at step {step} is saved in {path}: "
-                         f"--resume_from_checkpoint {path} loads it.")
+        raise TrainingError(f"Stopped: {reason}. The training state at step {step} is saved in {path}: "
+                            f"--resume_from_checkpoint {path} loads it.")

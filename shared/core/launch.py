@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import quiet, rules, rundir
 from .args import FROM_SCRATCH_LR, PRETRAINED_LR
-from .errors import RecipeError
+from .errors import LaunchError, RecipeError
 from .fsdp_cpu import force_fsdp_on_cpu
 
 logger = logging.getLogger("recipes")
@@ -90,8 +90,8 @@ def resolve_compile(args: argparse.Namespace) -> str:
     if backend == "no":
         return "none"
     if backend != "inductor":
-        raise SystemExit(f"dynamo_backend {backend!r} in the launch config: only inductor is run and tested here. "
-                         "Set dynamo_backend: INDUCTOR (or NO), or pass --torch_compile regional|full.")
+        raise LaunchError(f"dynamo_backend {backend!r} in the launch config: only inductor is run and tested here. "
+                          "Set dynamo_backend: INDUCTOR (or NO), or pass --torch_compile regional|full.")
     regional = os.environ.get("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "false").lower() in ("1", "true", "yes")
     return "regional" if regional else "full"
 
@@ -203,8 +203,8 @@ def resolve_launch(
     there = next(p for p in (home, *home.parents) if p.exists())
     if (args.train_file or args.validation_file or args.dataset_name or args.model_name_or_path) and not (
             there.is_dir() and os.access(there, os.W_OK)):  # (the built-in data and presets need no cache)
-        raise SystemExit(f"The Hugging Face cache {home} cannot be written ({there} is not a writable directory). "
-                         "Set HF_HOME to a writable directory (export HF_HOME=/tmp/hf_home).")
+        raise LaunchError(f"The Hugging Face cache {home} cannot be written ({there} is not a writable directory). "
+                          "Set HF_HOME to a writable directory (export HF_HOME=/tmp/hf_home).")
     log_with = _trackers(args.report_to)
     # Restarted by torch elastic (`--max_restarts N`, a process died): the same command goes on from the newest
     # complete checkpoint; a fresh launch keeps refusing a finished run's directory (docs/multi_node.md).
@@ -213,10 +213,10 @@ def resolve_launch(
     # restart's processes read their dead peers' addresses left in it and never connect: refused before any work.
     shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if shared_store and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
-        raise SystemExit("--max_restarts: the restarted processes would read their dead peers' addresses in the store "
-                         "of the first attempt and fail to connect (Gloo connectFullMesh failed: Connection refused). "
-                         "Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv_backend c10d "
-                         "(docs/multi_node.md).")
+        raise LaunchError("--max_restarts: the restarted processes would read their dead peers' addresses in the store "
+                          "of the first attempt and fail to connect (Gloo connectFullMesh failed: Connection refused). "
+                          "Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv_backend c10d "
+                          "(docs/multi_node.md).")
     resume_from = args.resume_from_checkpoint or ("latest" if restarts else None)
     # A process that dies or hangs makes the others fail after this long instead of waiting forever.
     process_group = InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))
@@ -267,14 +267,14 @@ def start_run(accelerator: Accelerator, launch: Launch) -> None:
     if not has_accelerator() and run.num_processes > 1 and run.sharding == "fsdp":
         force_fsdp_on_cpu(accelerator, launch.fsdp_plugin)
     if accelerator.num_processes != run.num_processes:
-        raise SystemExit(
+        raise LaunchError(
             f"{run.num_processes} processes were launched but Accelerate sees {accelerator.num_processes} "
             f"(distributed_type={accelerator.distributed_type}): the processes would train unsynced copies. "
             "On a CPU-only machine use accelerate_configs/multi_cpu.yaml (MULTI_GPU with use_cpu: true)."
         )
     if rules.sharding_of(accelerator) != run.sharding:
         # E.g. `use_cpu: true` in a DeepSpeed accelerate config turns DeepSpeed off: not the run that was asked for.
-        raise SystemExit(
+        raise LaunchError(
             f"recipes/{run.recipe}.py was checked as a {run.sharding} run, but Accelerate resolved "
             f"{rules.sharding_of(accelerator)} (distributed_type={accelerator.distributed_type.value}). Use a "
             "launch config of that kind (accelerate_configs/), with `use_cpu: false` for DeepSpeed."
@@ -309,11 +309,11 @@ def check_environment(mixed_precision: str, uses_deepspeed: bool) -> None:
         try:
             import deepspeed  # noqa: F401
         except ImportError:
-            raise SystemExit("This run uses DeepSpeed, which is not installed. "
-                             "`pip install -r requirements.txt` (deepspeed==0.19.8).") from None
+            raise LaunchError("This run uses DeepSpeed, which is not installed. "
+                              "`pip install -r requirements.txt` (deepspeed==0.19.8).") from None
     if mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        raise SystemExit(f"--mixed_precision bf16: {torch.cuda.get_device_name()} has no bf16 support. "
-                         "Use --mixed_precision fp16 (dynamic loss scaling), or fp32.")
+        raise LaunchError(f"--mixed_precision bf16: {torch.cuda.get_device_name()} has no bf16 support. "
+                          "Use --mixed_precision fp16 (dynamic loss scaling), or fp32.")
 
 
 def _trackers(report_to: str | None) -> list[str] | None:
@@ -332,14 +332,14 @@ def _trackers(report_to: str | None) -> list[str] | None:
     for name in names:
         if name not in known:
             near = difflib.get_close_matches(name, known, n=1)
-            raise SystemExit(f"--report_to {name}: not a tracker Accelerate knows. "
-                             + (f"Did you mean {near[0]}? " if near else "")
-                             + f"Pick from {known[1:]} or 'none'.")
+            raise LaunchError(f"--report_to {name}: not a tracker Accelerate knows. "
+                              + (f"Did you mean {near[0]}? " if near else "")
+                              + f"Pick from {known[1:]} or 'none'.")
     missing = [n for n in names if n != "all" and n not in available]
     if missing:
         packages = " ".join(_TRACKER_PACKAGES.get(n, n) for n in missing)
-        raise SystemExit(f"--report_to {','.join(missing)}: not installed. `pip install {packages}`, "
-                         f"or pick from the installed trackers {sorted(available)} or 'none'.")
+        raise LaunchError(f"--report_to {','.join(missing)}: not installed. `pip install {packages}`, "
+                          f"or pick from the installed trackers {sorted(available)} or 'none'.")
     return names
 
 

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from .errors import InputError
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -80,7 +82,7 @@ def model_source(args: argparse.Namespace) -> str:
 def check_model_path(name: str | None) -> None:
     """A path that does not exist fails now, not after a hub lookup that cannot succeed."""
     if name and not Path(name).expanduser().exists() and name.startswith(("/", ".", "~")):
-        raise SystemExit(f"--model_name_or_path {name!r} does not exist. Pass an existing directory, a hub id, "
+        raise InputError(f"--model_name_or_path {name!r} does not exist. Pass an existing directory, a hub id, "
                          "or leave it unset to build a model from --model_preset.")
 
 
@@ -100,7 +102,7 @@ def load_pretrained_config(args: argparse.Namespace, **overrides: object) -> Pre
         try:
             safe_open(str(path), "pt").keys()
         except SafetensorError as err:
-            raise SystemExit(f"{path} is truncated or corrupt ({err}). Copy or download it again.") from None
+            raise InputError(f"{path} is truncated or corrupt ({err}). Copy or download it again.") from None
     try:
         config = AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code, **overrides)
     except OSError as err:
@@ -109,7 +111,7 @@ def load_pretrained_config(args: argparse.Namespace, **overrides: object) -> Pre
     trained, labels = len(type(config).get_config_dict(name)[0].get("id2label") or {}), overrides.get("num_labels")
     if "Classification" in str(config.architectures) and trained not in (0, labels or trained) and not getattr(
             args, "ignore_mismatched_sizes", False):  # its head's saved weights would not load
-        raise SystemExit(f"{name!r} is a classifier of {trained} labels, and the data has {labels}. Pass --ignore_"
+        raise InputError(f"{name!r} is a classifier of {trained} labels, and the data has {labels}. Pass --ignore_"
                          f"mismatched_sizes to train a new head of {labels} labels on the rest, or data of {trained}.")
     return config
 
@@ -131,7 +133,7 @@ def check_fits_task(config: PretrainedConfig, task: str, name: str) -> None:
         return
     if kind not in mappings[task]:
         serves = [t for t, m in mappings.items() if kind in m]
-        raise SystemExit(f"{name!r} is a {kind} model, which has no {task} head in Transformers. "
+        raise InputError(f"{name!r} is a {kind} model, which has no {task} head in Transformers. "
                          + (f"Pass --task {' or --task '.join(serves)}, or " if serves else "Pass ")
                          + f"a model built for {task}.")
     bidirectional = (task == "causal-lm" and kind in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
@@ -139,7 +141,7 @@ def check_fits_task(config: PretrainedConfig, task: str, name: str) -> None:
     if bidirectional:
         # Its attention sees every position: as a causal LM each token would see the one it predicts, and the loss
         # would fall to 0 having learned nothing.
-        raise SystemExit(f"{name!r} is a bidirectional {kind} encoder: as a causal LM each token would attend to "
+        raise InputError(f"{name!r} is a bidirectional {kind} encoder: as a causal LM each token would attend to "
                          "the token it predicts. Use a decoder model (GPT-2, Llama ...), or set \"is_decoder\": true "
                          "in its config.json.")
 
@@ -148,7 +150,7 @@ def check_positions(config: PretrainedConfig, max_seq_length: int) -> None:
     """Tokens past the position embeddings crash the forward pass mid-run (an index error in the embedding)."""
     positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if positions and max_seq_length > positions:
-        raise SystemExit(f"--max_seq_length {max_seq_length} exceeds the model's {positions} positions. "
+        raise InputError(f"--max_seq_length {max_seq_length} exceeds the model's {positions} positions. "
                          f"Pass --max_seq_length {positions} or less.")
 
 

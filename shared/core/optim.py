@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from .errors import LaunchError
+
 if TYPE_CHECKING:
     from .launch import Launch
 
@@ -48,9 +50,9 @@ def total_steps(launch: Launch, accelerator, train_dataloader, already_split: bo
         steps = max(1, math.ceil(args.num_train_epochs * per_process / launch.gradient_accumulation_steps))
         # A --max_train_steps the user passed was checked against the warmup when parsed (shared/core/args.py).
         if args.num_warmup_steps >= steps:
-            raise SystemExit(f"--num_warmup_steps {args.num_warmup_steps} >= the run's {steps} steps: "
-                             "the learning rate would never reach --learning_rate. Lower --num_warmup_steps, or "
-                             "train longer.")
+            raise LaunchError(f"--num_warmup_steps {args.num_warmup_steps} >= the run's {steps} steps: "
+                              "the learning rate would never reach --learning_rate. Lower --num_warmup_steps, or "
+                              "train longer.")
     if args.checkpointing_steps and args.checkpointing_steps > steps:
         logger.warning("--checkpointing_steps %d > the run's %d steps: no checkpoint will be written.",
                        args.checkpointing_steps, steps)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .args import OPTIMIZERS
+from .errors import LaunchError
 
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 OFFLOADS = ("none", "cpu", "nvme")  # where the offloaded state goes (DeepSpeed's device words)
@@ -360,7 +361,7 @@ def check(run: Run) -> None:
     """Stop (SystemExit) before anything is loaded when the run breaks a rule."""
     found = refusals(run)
     if found:
-        raise SystemExit("Refused before training: " + " ".join(found))
+        raise LaunchError("Refused before training: " + " ".join(found))
 
 
 def built_refusals(run: Run) -> list[str]:
@@ -375,7 +376,7 @@ def check_built(recipe: str = "", **facts: object) -> None:
     checked by check(); only the rules that read built facts are weighed here."""
     found = built_refusals(Run(recipe=recipe, sharding="none", launched="none", **facts))
     if found:
-        raise SystemExit("Refused before training: " + " ".join(found))
+        raise LaunchError("Refused before training: " + " ".join(found))
 
 
 # ---------------------------------------------------------------- the launch, as `accelerate launch` described it

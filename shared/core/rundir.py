@@ -11,6 +11,8 @@ import socket
 import tempfile
 from pathlib import Path
 
+from .errors import CheckpointError
+
 LOCK = ".run.lock"  # held (flock) for the run's life; it also records which entries were there before the run
 RUN_STATE = ("checkpoints", "diverged_step_*", "results.json", "results.json.tmp", "preflight.json")
 FINISHED = ("results.json", "model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
@@ -35,18 +37,18 @@ def claim(args: argparse.Namespace, output_dir: str, resume: str | None) -> None
     except BlockingIOError:
         holder = _read_lock(fd).get("by", "another process")
         os.close(fd)
-        raise SystemExit(f"--output_dir {output_dir!r} is in use by another run ({holder}): two runs in one directory "
-                         "replace each other's checkpoints and model. Pass another --output_dir, or wait for it to "
-                         "end.") from None
+        raise CheckpointError(f"--output_dir {output_dir!r} is in use by another run ({holder}): two runs in one "
+                              "directory replace each other's checkpoints and model. Pass another --output_dir, or "
+                              "wait for it to end.") from None
     _held[path] = fd
     before = _read_lock(fd).get("before")
     done = [name for name in FINISHED if (path / name).exists()]
     if done and not resume:
         if not args.overwrite_output_dir:
             release()
-            raise SystemExit(f"--output_dir {output_dir!r} holds a finished run ({done[0]}): a new run would replace "
-                             "its model and results. Pass --overwrite_output_dir to replace it, "
-                             "--resume_from_checkpoint latest to train it on, or another --output_dir.")
+            raise CheckpointError(f"--output_dir {output_dir!r} holds a finished run ({done[0]}): a new run would "
+                                  "replace its model and results. Pass --overwrite_output_dir to replace it, "
+                                  "--resume_from_checkpoint latest to train it on, or another --output_dir.")
         _remove_run(path, before)
         before = None
     if before is None or not resume:  # a resume keeps its first session's record
@@ -84,13 +86,13 @@ def check_writable(path: Path, output_dir: str) -> None:
     """An output directory that cannot be written would fail at the first checkpoint, or after training."""
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        raise SystemExit(f"--output_dir {output_dir!r}: {existing} is a file, not a directory. Pass another path.")
+        raise CheckpointError(f"--output_dir {output_dir!r}: {existing} is a file, not a directory. Pass another path.")
     try:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-test-"):
             pass
     except OSError as err:
-        raise SystemExit(f"--output_dir {output_dir!r} cannot be written ({type(err).__name__}: {err.strerror or err})"
-                         ". Pass a directory you can write to.") from None
+        raise CheckpointError(f"--output_dir {output_dir!r} cannot be written ({type(err).__name__}: "
+                              f"{err.strerror or err}). Pass a directory you can write to.") from None
 
 
 def _mount(path: Path) -> tuple[Path, int]:
@@ -110,8 +112,8 @@ def check_room(path: Path, needed: int, what: str, then: str) -> None:
     """Refuse a save of about `needed` bytes that the disk holding `path` has no room for, before it starts."""
     mount, free = _mount(Path(path).absolute())
     if free < needed:
-        raise SystemExit(f"The disk holding {path} ({mount}) has {_mb(free)} free, and {what} needs about "
-                         f"{_mb(needed)}. Free space there or pass another --output_dir; {then}")
+        raise CheckpointError(f"The disk holding {path} ({mount}) has {_mb(free)} free, and {what} needs about "
+                              f"{_mb(needed)}. Free space there or pass another --output_dir; {then}")
 
 
 def disk_full(err: BaseException, path: Path, what: str, then: str) -> SystemExit | None:

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import data, datacheck, datastats, losses, models, packing
+from .errors import InputError
 
 if TYPE_CHECKING:
     from .launch import Launch
@@ -142,14 +143,14 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
     # read and tokenized (the preset's positions are those of the model built later).
     models.check_positions(models.model_config(args), args.max_seq_length)
     if args.text_pair_column and args.task != "text-classification":
-        raise SystemExit(f"--text_pair_column serves --task text-classification (sentence pairs), not {args.task}. "
+        raise InputError(f"--text_pair_column serves --task text-classification (sentence pairs), not {args.task}. "
                          "Drop it, or pass --task text-classification.")
     with accelerator.main_process_first():  # the first process fills the datasets cache, the others reuse it
         train_raw, val_raw, source = data.load_raw_splits(args)
     if missing := [c for c in keep_columns if c not in data.column_names(train_raw)]:
-        raise SystemExit(f"keep_columns: the training data has no column {missing} ({data.column_names(train_raw)}).")
+        raise InputError(f"keep_columns: the training data has no column {missing} ({data.column_names(train_raw)}).")
     if keep_columns and (args.task == "image-classification" or args.task == "causal-lm" and args.packing != "none"):
-        raise SystemExit("keep_columns serves text-classification, and causal-lm with --packing none (a packed block "
+        raise InputError("keep_columns serves text-classification, and causal-lm with --packing none (a packed block "
                          f"holds parts of many rows), not --task {args.task} --packing {args.packing}.")
     loader = {"text-classification": _text_classification, "causal-lm": _causal_lm,
               "image-classification": _image_classification}[args.task]
@@ -157,11 +158,11 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
     n_train = len(task.train_dataloader.dataset)
     packed = task.packing != "none"
     if n_train == 0:
-        raise SystemExit(_NO_EXAMPLES.format(source=source))
+        raise InputError(_NO_EXAMPLES.format(source=source))
     global_batch = batches[0] * accelerator.num_processes
     if global_batch > n_train:
         what = f"{n_train} blocks of {args.max_seq_length} tokens" if packed else f"{n_train} examples"
-        raise SystemExit(f"The global batch ({batches[0]} per device x "
+        raise InputError(f"The global batch ({batches[0]} per device x "
                          f"{accelerator.num_processes} processes = {global_batch}) is larger than the training set "
                          f"({what}). Lower --per_device_train_batch_size{' or --max_seq_length' if packed else ''} "
                          "or add data.")
@@ -211,7 +212,7 @@ def _tokenizer(args, texts: list[str]):
     if Path(name).is_dir() and not any((Path(name) / f).exists() for f in _TOKENIZER_FILES):
         # Transformers would guess a tokenizer class from config.json and ask for its dependencies (sentencepiece).
         flag = "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path"
-        raise SystemExit(f"{flag} {name!r} holds no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])} ...). Pass "
+        raise InputError(f"{flag} {name!r} holds no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])} ...). Pass "
                          "--tokenizer_name with the tokenizer's directory or hub id (the checkpoint the model came "
                          "from), or save it there with tokenizer.save_pretrained(dir).")
     try:
@@ -306,7 +307,7 @@ def _causal_lm(args, accelerator, train_raw, val_raw, source, batches: tuple[int
     train_ds, val_ds = (ds.filter(lambda b: [bool(t and t.strip()) for t in b[text_col]], batched=True)
                         for ds in (train_ds, val_ds))
     if len(train_ds) == 0:
-        raise SystemExit(_NO_EXAMPLES.format(source=source))
+        raise InputError(_NO_EXAMPLES.format(source=source))
     packed = args.packing != "none"
     if not packed:  # a sample is a line: the limits count lines (packed, they count blocks, as in run_clm)
         train_ds, val_ds = _limit(train_ds, args.max_train_samples), _limit(val_ds, args.max_eval_samples)
@@ -324,7 +325,7 @@ def _causal_lm(args, accelerator, train_raw, val_raw, source, batches: tuple[int
         val_ds, _ = packing.samples(val_ds, tokenizer, text_col, args.packing, args.max_seq_length, train=False,
                                     keep=keep)
     if len(train_ds) == 0:
-        raise SystemExit(f"The training text ({source}) holds {text_tokens} tokens, fewer than one block of "
+        raise InputError(f"The training text ({source}) holds {text_tokens} tokens, fewer than one block of "
                          f"--max_seq_length {args.max_seq_length}. Lower --max_seq_length, add text, or pass "
                          "--packing none.")
     held = sum(train_ds["n_real"])  # before --max_train_samples: what packing or the cut left of the text

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.errors import LaunchError
 from ..core.measure import state_bytes
 
 logger = logging.getLogger("recipes")
@@ -141,12 +142,12 @@ def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> d
     json_file = None if json_file == "none" else json_file
     if args.deepspeed_config and os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none") not in (
             "none", args.deepspeed_config):
-        raise SystemExit(f"Two DeepSpeed JSONs: --deepspeed_config {args.deepspeed_config} and "
-                         f"{os.environ['ACCELERATE_DEEPSPEED_CONFIG_FILE']} from {_YAML}. Keep one.")
+        raise LaunchError(f"Two DeepSpeed JSONs: --deepspeed_config {args.deepspeed_config} and "
+                          f"{os.environ['ACCELERATE_DEEPSPEED_CONFIG_FILE']} from {_YAML}. Keep one.")
     user_json: dict = {}
     if json_file:
         if not Path(json_file).is_file():
-            raise SystemExit(f"DeepSpeed JSON {json_file!r} does not exist. Pass an existing file.")
+            raise LaunchError(f"DeepSpeed JSON {json_file!r} does not exist. Pass an existing file.")
         user_json = json.loads(Path(json_file).read_text())
     config = copy.deepcopy(user_json or recipe_config)
     explicit = getattr(args, "explicit_flags", set())
@@ -173,8 +174,8 @@ def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> d
             default = (args.mixed_precision or "no") if key == "mixed_precision" else getattr(args, flag)
             chosen[key] = (_normalize(key, default), f"the default of --{flag}")
     if conflicts:
-        raise SystemExit("Conflicting settings, stopped before training:\n" + "\n".join(conflicts) +
-                         "\nSet each value in one place (or set it to \"auto\" in the DeepSpeed JSON).")
+        raise LaunchError("Conflicting settings, stopped before training:\n" + "\n".join(conflicts) +
+                          "\nSet each value in one place (or set it to \"auto\" in the DeepSpeed JSON).")
 
     # One source of truth: the agreed values go into the config, which resolve_launch reads them from (the loop,
     # the Accelerator and the logs use them there; the flags as typed stay as they are).
@@ -193,14 +194,14 @@ def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> d
             micro, accumulation = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
             product = micro * accumulation * world
             if stated != product:
-                raise SystemExit(f"train_batch_size {stated} in the DeepSpeed JSON {json_file} != micro-batch "
-                                 f"{micro} x accumulation {accumulation} x {world} processes = {product}. "
-                                 "Set it to \"auto\".")
+                raise LaunchError(f"train_batch_size {stated} in the DeepSpeed JSON {json_file} != micro-batch "
+                                  f"{micro} x accumulation {accumulation} x {world} processes = {product}. "
+                                  "Set it to \"auto\".")
 
     zero = config.setdefault("zero_optimization", {})
     stage = int(zero.get("stage", 0))
     if stage not in (1, 2, 3):
-        raise SystemExit(f"ZeRO stage {stage}: these recipes run stage 1, 2 or 3.")
+        raise LaunchError(f"ZeRO stage {stage}: these recipes run stage 1, 2 or 3.")
     for part in ("offload_optimizer", "offload_param"):
         block = zero.get(part)
         device = (block or {}).get("device", "none")
@@ -210,18 +211,18 @@ def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> d
             continue
         path = chosen.get(f"zero_optimization.{part}.nvme_path", (None, ""))[0]
         if path is None:
-            raise SystemExit(f"{part} to nvme needs a directory: pass --nvme_path DIR (Accelerate drops the YAML's "
-                             "nvme paths, and DeepSpeed would then write to ./none).")
+            raise LaunchError(f"{part} to nvme needs a directory: pass --nvme_path DIR (Accelerate drops the YAML's "
+                              "nvme paths, and DeepSpeed would then write to ./none).")
         Path(path).mkdir(parents=True, exist_ok=True)
         block["nvme_path"] = path
         _check_async_io()
     if stage < 3 and (zero.get("offload_param") or {}).get("device", "none") != "none":
-        raise SystemExit(f"offload_param needs ZeRO stage 3 (resolved stage: {stage}).")
+        raise LaunchError(f"offload_param needs ZeRO stage 3 (resolved stage: {stage}).")
     if stage == 3 and not args.no_save_model:
         save16 = chosen.get("zero_optimization.stage3_gather_16bit_weights_on_model_save", (None, ""))
         if save16[0] is False:
-            raise SystemExit(f"stage3_gather_16bit_weights_on_model_save is false ({save16[1]}): the final model "
-                             "cannot be consolidated. Set it true, or pass --no_save_model.")
+            raise LaunchError(f"stage3_gather_16bit_weights_on_model_save is false ({save16[1]}): the final model "
+                              "cannot be consolidated. Set it true, or pass --no_save_model.")
         zero["stage3_gather_16bit_weights_on_model_save"] = True
 
     # Accelerate refuses a config dict beside YAML DeepSpeed fields ("will be ignored"): they were merged and
@@ -235,8 +236,8 @@ def _check_async_io() -> None:
     from deepspeed.accelerator import get_accelerator
 
     if not get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(verbose=False):
-        raise SystemExit("NVMe offload needs DeepSpeed's async_io op, which needs libaio: "
-                         "`apt-get install libaio-dev` (Debian/Ubuntu) or `yum install libaio-devel`, then rerun.")
+        raise LaunchError("NVMe offload needs DeepSpeed's async_io op, which needs libaio: "
+                          "`apt-get install libaio-dev` (Debian/Ubuntu) or `yum install libaio-devel`, then rerun.")
 
 
 def patch_zero_step_to_count_states(meter, model: torch.nn.Module, optimizer: object) -> None:
@@ -287,10 +288,10 @@ def load_universal_checkpoints(accelerator, model: torch.nn.Module) -> None:
         universal, saved = (zero / "zero").is_dir(), len(list(zero.glob("*optim_states.pt")))
         model._config.load_universal_checkpoint = universal  # the config's checkpoint.load_universal
         if not universal and saved != accelerator.num_processes:
-            raise SystemExit(f"{load_dir} holds the ZeRO slices of {saved} processes, and this run has "
-                             f"{accelerator.num_processes}. Convert it to DeepSpeed's universal checkpoint, which "
-                             f"loads on any process count: python -m shared.tools.reshard {load_dir}, then resume "
-                             f"from {load_dir}_universal (docs/resharding.md).")
+            raise LaunchError(f"{load_dir} holds the ZeRO slices of {saved} processes, and this run has "
+                              f"{accelerator.num_processes}. Convert it to DeepSpeed's universal checkpoint, which "
+                              f"loads on any process count: python -m shared.tools.reshard {load_dir}, then resume "
+                              f"from {load_dir}_universal (docs/resharding.md).")
         return load(load_dir, tag, **kwargs)
 
     model.load_checkpoint = load_checkpoint

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..core import rules
 from ..core.checkpoint import STAGE_FILES
+from ..core.errors import LaunchError
 from ..core.losses import summed_loss as summed_loss  # the last stage's loss_fn: the spine's own
 from ..core.models import transformer_layers
 from ..core.rules import Rule
@@ -40,10 +41,10 @@ def split_layers(num_layers: int, num_stages: int, layers_per_stage: str | None 
         try:
             counts = [int(c) for c in layers_per_stage.split(",")]
         except ValueError:
-            raise SystemExit(f"--layers_per_stage {layers_per_stage!r}: pass integers, e.g. 1,3.") from None
+            raise LaunchError(f"--layers_per_stage {layers_per_stage!r}: pass integers, e.g. 1,3.") from None
         if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 1:
-            raise SystemExit(f"--layers_per_stage {layers_per_stage!r} must give {num_stages} stages of at least one "
-                             f"block each, {num_layers} blocks in all (the model has {num_layers}).")
+            raise LaunchError(f"--layers_per_stage {layers_per_stage!r} must give {num_stages} stages of at least one "
+                              f"block each, {num_layers} blocks in all (the model has {num_layers}).")
     else:
         # shared/core/rules.py: at least a block a stage
         rules.check_built(layers=num_layers, stages=num_stages, flags={"stages": stages_named} if stages_named else {})
@@ -425,18 +426,18 @@ def checkpoint_per_process(accelerator, model: nn.Module, optimizer: torch.optim
         saved = len(list(Path(input_dir).glob("rank_*")))
         own = Path(input_dir) / f"rank_{accelerator.process_index:05d}"
         if saved != accelerator.num_processes or not own.is_dir():
-            raise SystemExit(f"{input_dir} holds the state of {saved} processes (one rank_* directory each), and "
-                             f"this run has {accelerator.num_processes}: each process resumes its own pipeline stage. "
-                             f"Resume with --num_processes {saved} and the same --pipeline_stages/--layers_per_stage "
-                             "as the run that saved it.")
+            raise LaunchError(f"{input_dir} holds the state of {saved} processes (one rank_* directory each), and "
+                              f"this run has {accelerator.num_processes}: each process resumes its own pipeline stage. "
+                              f"Resume with --num_processes {saved} and the same --pipeline_stages/--layers_per_stage "
+                              "as the run that saved it.")
         device = accelerator.device
         location = "cpu" if device.type == "cpu" else str(device)  # safetensors refuses "cpu:0"
         try:
             load_model(model, str(own / STAGE_FILES[0]), strict=True, device=location)
         except RuntimeError as err:  # the same process count, another cut of the model
             found = " ".join(str(err).split()[5:])  # after "Error(s) in loading state_dict for Stage:"
-            raise SystemExit(f"{own} holds another stage than this process's ({found[:200]} ...). Resume with the "
-                             "same --pipeline_stages/--layers_per_stage as the run that saved it.") from None
+            raise LaunchError(f"{own} holds another stage than this process's ({found[:200]} ...). Resume with the "
+                              "same --pipeline_stages/--layers_per_stage as the run that saved it.") from None
         optimizer.load_state_dict(torch.load(own / STAGE_FILES[1], weights_only=True, map_location=location))
         scheduler.load_state_dict(torch.load(own / STAGE_FILES[2], weights_only=True, map_location=location))
 

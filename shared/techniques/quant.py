@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..core import rules
+from ..core.errors import InputError
 from ..core.models import HEAD_NAMES, transformer_layers
 from ..core.rules import Rule
 
@@ -205,14 +206,14 @@ def checkpoint_trainable_only(accelerator, model: nn.Module) -> None:
     def load_hook(models: list, input_dir: str) -> None:
         marker = Path(input_dir) / "frozen_base.json"
         if not marker.exists() or json.loads(marker.read_text()).get("sha256") != base:
-            raise SystemExit(f"{input_dir} was not trained on this base model (its frozen weights differ, or it holds "
+            raise InputError(f"{input_dir} was not trained on this base model (its frozen weights differ, or it holds "
                              "a whole model): resume with the --model_name_or_path, --load_in and seed of the run "
                              "that saved it, or drop --resume_from_checkpoint.")
         state = load_file(str(Path(input_dir) / "model.safetensors"), device=str(accelerator.device))
         missing = {n for n, p in model.named_parameters() if p.requires_grad} - set(state)
         unexpected = model.load_state_dict(state, strict=False).unexpected_keys
         if missing or unexpected:
-            raise SystemExit(f"{input_dir} holds other trainable parameters than this run's (missing "
+            raise InputError(f"{input_dir} holds other trainable parameters than this run's (missing "
                              f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}): resume with the same "
                              "--lora_r, --lora_target_modules and task as the run that saved it.")
         models.remove(model)  # loaded here: Accelerate would load the whole model's state, strictly

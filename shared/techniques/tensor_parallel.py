@@ -20,6 +20,7 @@ from torch import nn
 
 from ..core import rules
 from ..core.checkpoint import STAGE_FILES
+from ..core.errors import LaunchError
 from ..core.models import transformer_layers
 from ..core.rules import Rule, unsplit
 
@@ -253,14 +254,15 @@ def checkpoint_dtensors(accelerator, model: nn.Module, optimizer: torch.optim.Op
 
     def load_hook(_models: list, input_dir: str) -> None:
         if not (Path(input_dir) / "mesh.json").exists():
-            raise SystemExit(f"{input_dir} has no mesh.json: it was not saved by a DTensor run (tensor parallel). "
-                             "Resume from a checkpoint this recipe wrote, or drop --resume_from_checkpoint.")
+            raise LaunchError(f"{input_dir} has no mesh.json: it was not saved by a DTensor run (tensor parallel). "
+                              "Resume from a checkpoint this recipe wrote, or drop --resume_from_checkpoint.")
         saved = json.loads((Path(input_dir) / "mesh.json").read_text())
         gpt2 = getattr(getattr(model, "config", None), "model_type", "") == "gpt2"
         if saved.get("tp") != layout.get("tp") and gpt2:  # expert parallel's layout has no "tp"
-            raise SystemExit(f"{input_dir} was saved on the mesh {saved}, and this run's is {layout}: GPT-2's fused "
-                             f"qkv rows are ordered for {saved['tp']} tensor-parallel processes. Resume with --tp_size "
-                             f"{saved['tp']} (any data-parallel degree), or a model with separate q, k, v projections.")
+            raise LaunchError(f"{input_dir} was saved on the mesh {saved}, and this run's is {layout}: GPT-2's "
+                              f"fused qkv rows are ordered for {saved['tp']} tensor-parallel processes. Resume with "
+                              f"--tp_size {saved['tp']} (any data-parallel degree), or a model with separate q, k, v "
+                              "projections.")
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=str(Path(input_dir) / "dcp"))  # into this process's shards, in place
