@@ -75,3 +75,33 @@ def test_data_in_another_format_needs_only_flags(tmp_path):
     results = _run(dest, "--train_file", "reviews.jsonl", "--text_column", "review", "--label_column", "stars")
     assert 0.0 <= results["eval_accuracy"] <= 1.0
     assert _core(dest) == fresh
+
+
+def _task(name: str = "text-classification"):
+    from shared.core.tasks import Task
+
+    return Task(name, None, "tiny", None, None, "built-in")
+
+
+def test_the_pipeline_trains_with_the_users_loss_and_the_others_refuse_it_with_the_reason():
+    import pytest
+    import torch
+
+    from shared.core.errors import InputError
+    from shared.core.losses import classification_loss
+    from shared.techniques import ulysses
+    from shared.techniques.chunked_loss import ChunkedLoss
+    from shared.techniques.pipeline_stages import stage_loss
+
+    logits, labels = torch.randn(4, 2), torch.tensor([0, 1, 1, 0])
+    task = _task()
+    assert stage_loss(task) is classification_loss
+    task.loss_fn = lambda lg, y, kept: 3 * classification_loss(lg, y)
+    assert torch.allclose(stage_loss(task)(logits, labels), 3 * classification_loss(logits, labels))
+    task.compute_metrics = lambda p, y: {}
+    with pytest.raises(InputError, match="compute_metrics: the pipeline's last stage"):
+        stage_loss(task)
+    with pytest.raises(InputError, match="loss_fn: a chunked loss needs the head"):
+        ChunkedLoss.__call__(type("C", (), {"task": task})(), None, {}, 1.0)
+    with pytest.raises(InputError, match="loss_fn: sequence parallel computes the loss"):
+        ulysses.loss(None, {}, 1.0, task)

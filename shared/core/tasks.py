@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import data, datacheck, datastats, losses, models, packing
+from .errors import InputError
 
 if TYPE_CHECKING:
     from .launch import Launch
@@ -49,6 +50,11 @@ class Task:
     # whole validation set (gathered over processes); each name is reported as eval_<name> in results.json. Unset:
     # accuracy. With loss_fn set, evaluation also reports eval_loss, the mean of your loss over the validation set.
     compute_metrics: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] | None = None
+
+    def refuse_hooks(self, hooks: tuple[str, ...], why: str) -> None:
+        """A recipe that computes its loss or metrics its own way refuses the user's hooks it cannot honour."""
+        if given := [h for h in hooks if getattr(self, h)]:
+            raise InputError(f"Task.{' / '.join(given)}: {why} (docs/adapting_a_copy.md).")
 
     def kept(self, batch: dict) -> dict:
         return {k: batch[k] for k in self.keep_columns}
