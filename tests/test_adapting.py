@@ -105,3 +105,29 @@ def test_the_pipeline_trains_with_the_users_loss_and_the_others_refuse_it_with_t
         ChunkedLoss.__call__(type("C", (), {"task": task})(), None, {}, 1.0)
     with pytest.raises(InputError, match="loss_fn: sequence parallel computes the loss"):
         ulysses.loss(None, {}, 1.0, task)
+
+
+def test_a_local_qwen_style_model_needs_only_its_directory(tmp_path):
+    """A local model directory (a tiny Qwen2 classifier with tied embeddings, bf16 in its config, its tokenizer
+    beside it) is --model_name_or_path: no edit at all."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from shared.core import data
+
+    dest = _outside(tmp_path)
+    copy_recipe("baseline", dest)
+    fresh = _core(dest)
+    texts = data.builtin_split("text-classification", "train")["text"]
+    tokenizer = data.build_word_tokenizer(list(texts), "text-classification")
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True, num_labels=2, pad_token_id=tokenizer.pad_token_id,
+                         torch_dtype=torch.bfloat16)
+    model_dir = dest / "my-qwen"
+    torch.manual_seed(0)
+    Qwen2ForSequenceClassification(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    results = _run(dest, "--model_name_or_path", "my-qwen")
+    assert 0.0 <= results["eval_accuracy"] <= 1.0
+    assert _core(dest) == fresh
