@@ -45,7 +45,7 @@ from shared.techniques.pipeline_stages import (
     save_stage_shards,
     split_layers,
     stage_inputs,
-    summed_loss,
+    stage_loss,
     tied_weight,
 )
 
@@ -105,7 +105,7 @@ def main(argv=None) -> dict:
     stage = Stage(task.model, layers, is_first=pp_rank == 0, is_last=pp_rank == stages - 1).to(device)
     pipe = pipelining.PipelineStage(stage, pp_rank, stages, device, group=pp_group)
     item_count = {}
-    loss_fn = summed_loss(task.name)
+    loss_fn = stage_loss(task)  # yours (Task.loss_fn), or the task's cross-entropy
     schedule_cls = getattr(pipelining, SCHEDULES[args.schedule])
     schedule = schedule_cls(pipe, n_microbatches=args.n_microbatches, scale_grads=False,
                             loss_fn=lambda out, y: loss_fn(out, y) / item_count["n"])

@@ -47,8 +47,8 @@ from shared.techniques.pipeline_stages import (
     save_stage_shards,
     stage_inputs,
     stage_list,
+    stage_loss,
     sum_tied_grads,
-    summed_loss,
     tied_weight,
 )
 
@@ -109,7 +109,7 @@ def main(argv=None) -> dict:
     pipes = [pipelining.PipelineStage(s.to(device), i, num_stages, device)
              for s, i in zip(stage_list(stage), owners[rank], strict=True)]
     item_count = {}
-    loss_fn = summed_loss(task.name)
+    loss_fn = stage_loss(task)  # yours (Task.loss_fn), or the task's cross-entropy
     # Each micro-batch's summed loss is divided by the whole batch's item count, so the micro-batch gradients add
     # up to the batch gradient: scale_grads=False (the default divides them by n_microbatches once more).
     schedule = schedule_cls(pipes if len(pipes) > 1 else pipes[0], n_microbatches=args.n_microbatches,

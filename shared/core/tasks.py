@@ -46,6 +46,15 @@ class Task:
     keep_columns: tuple[str, ...] = ()
     loss_fn: Callable[[torch.Tensor, torch.Tensor, dict], torch.Tensor] | None = None
     count_fn: Callable[[torch.Tensor, dict], torch.Tensor] | None = None
+    # Your own evaluation metrics (classification): compute_metrics(predictions, labels) -> {name: value}, over the
+    # whole validation set (gathered over processes); each name is reported as eval_<name> in results.json. Unset:
+    # accuracy. With loss_fn set, evaluation also reports eval_loss, the mean of your loss over the validation set.
+    compute_metrics: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] | None = None
+
+    def refuse_hooks(self, hooks: tuple[str, ...], why: str) -> None:
+        """A recipe that computes its loss or metrics its own way refuses the user's hooks it cannot honour."""
+        if given := [h for h in hooks if getattr(self, h)]:
+            raise InputError(f"Task.{' / '.join(given)}: {why} (docs/adapting_a_copy.md).")
 
     def kept(self, batch: dict) -> dict:
         return {k: batch[k] for k in self.keep_columns}
@@ -100,28 +109,41 @@ class Task:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, eval_dataloader: DataLoader, accelerator) -> dict[str, float]:
-        """Accuracy for classification; token-weighted loss and perplexity for a causal LM. Over all processes."""
+        """Accuracy (or compute_metrics) for classification; token-weighted loss and perplexity for a causal LM (or
+        the mean of loss_fn). Over all processes."""
         was_training = model.training
         model.eval()
-        sums, counts = [], []
+        sums, counts, predictions, targets = [], [], [], []
         for batch in eval_dataloader:
             labels = batch["labels"]
             logits = model(**self._inputs(batch)).logits.float()
-            if self.name == "causal-lm":
+            if self.loss_fn is not None:  # the user's loss, divided as in training: by count_fn (or count_items)
+                value, count = self.loss_fn(logits, labels, self.kept(batch)).reshape(1), self.count_items(batch)
+                # per batch, not per sample: gather, so the samples that even out the last batch count too
+                value, count = accelerator.gather((value, count.reshape(1).to(value.device)))
+                sums.append(value.sum().item())
+                counts.append(count.sum().item())
+            elif self.name == "causal-lm":
                 logits, labels = logits[:, :-1], labels[:, 1:]
                 per_token = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
                 value, count = per_token.sum(dim=1), (labels != -100).sum(dim=1)
-            else:
-                value, count = (logits.argmax(-1) == labels).float(), torch.ones_like(labels)
-            # gather_for_metrics drops the samples duplicated to even out the last batch across processes
-            value, count = accelerator.gather_for_metrics((value, count))
-            sums.append(value.sum().item())
-            counts.append(count.sum().item())
+                # gather_for_metrics drops the samples duplicated to even out the last batch across processes
+                value, count = accelerator.gather_for_metrics((value, count))
+                sums.append(value.sum().item())
+                counts.append(count.sum().item())
+            if self.name != "causal-lm":
+                predicted, labels = accelerator.gather_for_metrics((logits.argmax(-1), labels))
+                predictions.append(predicted.cpu())
+                targets.append(labels.cpu())
         model.train(was_training)
         mean = sum(sums) / max(1, sum(counts))
         if self.name == "causal-lm":
             return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50.0))}
-        return {"eval_accuracy": mean}
+        out = {"eval_loss": mean} if self.loss_fn is not None else {}
+        predicted, labels = torch.cat(predictions), torch.cat(targets)
+        if self.compute_metrics is None:
+            return {**out, "eval_accuracy": (predicted == labels).float().sum().item() / max(1, labels.numel())}
+        return {**out, **{f"eval_{k}": float(v) for k, v in self.compute_metrics(predicted, labels).items()}}
 
     def save_preprocessing(self, output_dir: str) -> None:
         """What a user needs beside the weights to run the model: the tokenizer, or the image processor."""

@@ -155,9 +155,10 @@ class ChunkedLoss:
         return math.ceil(self.max_tokens / self.chunk_size)
 
     def __call__(self, model: nn.Module, batch: dict, num_items: torch.Tensor | float) -> torch.Tensor:
-        if self.task is not None and (self.task.keep_columns or self.task.loss_fn or self.task.count_fn):
-            raise ValueError("Task.keep_columns / loss_fn / count_fn serve Task.loss: the chunked loss is its own "
-                             "cross-entropy and passes the batch to the model (docs/adapting_a_copy.md)")
+        if self.task is not None:
+            self.task.refuse_hooks(("keep_columns", "loss_fn", "count_fn"), "a chunked loss needs the head: it is "
+                                   "its own cross-entropy, chunk by chunk. Write your loss over chunks, or use "
+                                   "recipes/baseline.py")
         head = output_head(model)
         hidden, out = final_hidden_states(model, head, batch)
         loss = chunked_cross_entropy(hidden, batch["labels"], head, self.num_chunks) / num_items

@@ -23,6 +23,16 @@ from ..core.losses import summed_loss as summed_loss  # the last stage's loss_fn
 from ..core.models import transformer_layers
 from ..core.rules import Rule
 
+
+def stage_loss(task) -> Callable:
+    """The last stage's summed loss of (logits, labels): the user's Task.loss_fn, or the task's cross-entropy."""
+    task.refuse_hooks(("keep_columns", "compute_metrics"), "the pipeline's last stage sees the logits and labels "
+                      "alone, and scores accuracy there. Drop them, or use recipes/baseline.py")
+    if task.loss_fn is None:
+        return summed_loss(task.name)
+    return lambda logits, labels: task.loss_fn(logits, labels, {})
+
+
 # model_type -> (modules the first stage runs before the blocks, modules the last stage runs after them)
 FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "gpt2": (("transformer.wte", "transformer.wpe", "transformer.drop"), ("transformer.ln_f", "lm_head")),
@@ -355,7 +365,7 @@ def evaluate(task, schedule, stage: Stage | Stages, eval_dataloader, item_count:
         if stage.is_last:
             losses: list[torch.Tensor] = []
             logits = run(*inputs, **mask, target=batch["labels"], losses=losses)
-            if task.name == "causal-lm":
+            if task.name == "causal-lm" or task.loss_fn is not None:  # the user's loss: its mean, eval_loss
                 score, count = torch.stack(losses).sum().item(), task.count_items(batch).item()
             else:
                 score, count = (logits.argmax(-1) == batch["labels"]).sum().item(), batch["labels"].numel()
@@ -370,7 +380,7 @@ def evaluate(task, schedule, stage: Stage | Stages, eval_dataloader, item_count:
     mean = (total[0] / total[1].clamp(min=1)).item()
     if task.name == "causal-lm":
         return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50.0))}
-    return {"eval_accuracy": mean}
+    return {"eval_loss" if task.loss_fn is not None else "eval_accuracy": mean}
 
 
 def save_stage_shards(accelerator, output_dir: str, task, stage: Stage | Stages, stage_index: int | Sequence[int],

@@ -96,6 +96,10 @@ def loss(model: nn.Module, chunk: dict, num_items: torch.Tensor | float, task: o
     A mixture of experts adds its router's load-balancing loss through `task` (Task.router_loss), computed on this
     chunk's tokens and weighted by the chunk's share of the targets: DDP's mean then averages the chunks' losses, as
     data parallel averages each process's batch's."""
+    if task is not None:
+        task.refuse_hooks(("keep_columns", "loss_fn", "count_fn"), "sequence parallel computes the loss over each "
+                          "process's chunk of the sequence, its labels shifted before the cut. Write your loss over "
+                          "chunks in sp.loss, or use recipes/baseline.py")
     out = model(input_ids=chunk["input_ids"], position_ids=chunk["position_ids"], use_cache=False)
     total = summed_cross_entropy(out.logits, chunk["shift_labels"]) / num_items  # shifted already: no shift here
     if getattr(out, "aux_loss", None) is None:
