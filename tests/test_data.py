@@ -10,9 +10,10 @@ import random
 import pytest
 import torch
 
-from shared.core import data, packing
+from shared.core import data
 from shared.core.args import PACKING
 from shared.core.tasks import Task
+from shared.tasks import packing
 from tests.conftest import load_params, max_param_diff, run_recipe
 
 VOCAB = "the cat dog ran to a red blue house and field one two three fox owl river road garden".split()

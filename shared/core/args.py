@@ -14,7 +14,7 @@ from .errors import LaunchError
 PRESETS = ("tiny", "base", "tiny-llama", "tiny-moe")  # --model_preset (shared/core/models.py builds them)
 
 TASKS = ("text-classification", "causal-lm", "image-classification")
-PACKING = ("concat", "per_document", "none")  # shared/core/packing.py
+PACKING = ("concat", "per_document", "none")  # shared/tasks/packing.py
 # Resolved after parsing when --learning_rate is unset: fine-tuning pretrained weights (the Transformers examples'
 # default) wants a far smaller step than training a randomly initialised preset from scratch.
 PRETRAINED_LR, FROM_SCRATCH_LR = 5e-5, 1e-3

@@ -162,7 +162,7 @@ class Run:
     optimizer: str = "adamw"
     max_grad_norm: float = 0.0  # global-norm clipping (0: none)
     parallelism_config: str = ""  # Accelerate's ParallelismConfig from the launch config, e.g. "tp=2 cp=2" ("": none)
-    packing: str = "none"  # causal LM: concat | per_document | none (shared/core/packing.py)
+    packing: str = "none"  # causal LM: concat | per_document | none (shared/tasks/packing.py)
     compile: str = "none"  # torch.compile through Accelerate's TorchDynamoPlugin: none | regional | full
     task: str = ""  # text-classification | causal-lm | image-classification ("": not checked)
     async_checkpoint: bool = False  # --async_checkpoint: checkpoints written in the background

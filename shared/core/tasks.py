@@ -1,7 +1,12 @@
-"""A task bundles what differs between the families: model, data, loss and metric. Recipes never branch on it."""
+"""A task bundles what differs between the families: model, data, loss and metric. Recipes never branch on it.
+
+Each task is one module of shared/tasks/ (text_classification.py, causal_lm.py, image_classification.py), loaded
+by name, so a copied recipe carries only the task modules it was copied with. What you change first (the model, the
+columns, the loss, the metrics) is there; this module holds what every task shares."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 from collections.abc import Callable
@@ -14,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import data, datacheck, datastats, losses, models, packing
+from . import data, losses, models
 from .errors import InputError
 
 if TYPE_CHECKING:
@@ -23,7 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("recipes")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
                     "spiece.model", "sentencepiece.bpe.model")
-_NO_EXAMPLES = "The training data ({source}) has no usable examples. Check the file and the columns."
+NO_EXAMPLES = "The training data ({source}) has no usable examples. Check the file and the columns."
 
 
 @dataclass
@@ -36,7 +41,7 @@ class Task:
     data_source: str
     tokenizer: object | None = None
     extra_files: dict[str, object] = field(default_factory=dict)
-    packing: str = "none"  # causal LM: how documents became samples (shared/core/packing.py)
+    packing: str = "none"  # causal LM: how documents became samples (shared/tasks/packing.py)
     processor: object | None = None  # image models: the image processor a pipeline needs beside the weights
     stats: dict[str, object] = field(default_factory=dict)  # what the training data holds, for results.json
     router_aux_loss: torch.Tensor | None = None  # a mixture of experts: the last batch's load-balancing loss
@@ -50,6 +55,7 @@ class Task:
     # whole validation set (gathered over processes); each name is reported as eval_<name> in results.json. Unset:
     # accuracy. With loss_fn set, evaluation also reports eval_loss, the mean of your loss over the validation set.
     compute_metrics: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] | None = None
+    inputs_fn: Callable[[dict], dict] | None = None  # the task module's change to the model's inputs (causal_lm.py)
 
     def refuse_hooks(self, hooks: tuple[str, ...], why: str) -> None:
         """A recipe that computes its loss or metrics its own way refuses the user's hooks it cannot honour."""
@@ -89,13 +95,7 @@ class Task:
 
     def _inputs(self, batch: dict) -> dict:
         inputs = {k: v for k, v in batch.items() if k != "labels" and k not in self.keep_columns}
-        if self.name == "causal-lm":
-            # A KV cache only serves generation; in training it costs memory, and a checkpointed block that is
-            # recomputed in backward would append to it a second time.
-            inputs["use_cache"] = False
-            if self.packing == "per_document":
-                inputs = packing.per_document_inputs(inputs, self.model.config._attn_implementation)
-        return inputs
+        return self.inputs_fn(inputs) if self.inputs_fn is not None else inputs
 
     def tokens_in(self, batch: dict) -> torch.Tensor | int:
         """Positions the model processed (non-padding tokens; patches + [CLS] for images), for throughput. A tensor
@@ -158,6 +158,7 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
     the evaluation batch, where a recipe needs another than --per_device_eval_batch_size. `keep_columns`: data
     columns kept in each batch for Task.loss_fn (text tasks, one row a sample: not packed causal-LM blocks)."""
     args = launch.args
+    module = task_module(args.task, launch.recipe)  # a copy that lacks it is refused before any work
     batches = (launch.per_device_train_batch_size, eval_batch_size or args.per_device_eval_batch_size)
     data.check_paths(args)
     models.check_model_path(args.model_name_or_path)
@@ -174,13 +175,11 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
     if keep_columns and (args.task == "image-classification" or args.task == "causal-lm" and args.packing != "none"):
         raise InputError("keep_columns serves text-classification, and causal-lm with --packing none (a packed block "
                          f"holds parts of many rows), not --task {args.task} --packing {args.packing}.")
-    loader = {"text-classification": _text_classification, "causal-lm": _causal_lm,
-              "image-classification": _image_classification}[args.task]
-    task = loader(args, accelerator, train_raw, val_raw, source, batches, tuple(keep_columns))
+    task = module.build(args, accelerator, train_raw, val_raw, source, batches, tuple(keep_columns))
     n_train = len(task.train_dataloader.dataset)
     packed = task.packing != "none"
     if n_train == 0:
-        raise InputError(_NO_EXAMPLES.format(source=source))
+        raise InputError(NO_EXAMPLES.format(source=source))
     global_batch = batches[0] * accelerator.num_processes
     if global_batch > n_train:
         what = f"{n_train} blocks of {args.max_seq_length} tokens" if packed else f"{n_train} examples"
@@ -191,12 +190,25 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
     return task
 
 
-def _given_splits(train: object, val: object | None) -> list[tuple[str, object]]:
+def task_module(name: str, recipe: str = "RECIPE"):
+    """shared/tasks/<name>.py, by name: a copied recipe carries the task modules it was copied with."""
+    package = __package__.rsplit(".", 1)[0]  # shared, or recipe_core in a copy
+    module = name.replace("-", "_")
+    try:
+        return importlib.import_module(f"{package}.tasks.{module}")
+    except ModuleNotFoundError as err:
+        if err.name != f"{package}.tasks.{module}":
+            raise
+        raise InputError(f"--task {name}: this copy carries no {package}/tasks/{module}.py. Copy the recipe again "
+                         f"with it: python -m shared.tools.cp {recipe} DEST --task {name}") from None
+
+
+def given_splits(train: object, val: object | None) -> list[tuple[str, object]]:
     """The splits as the source holds them (before any hold-out), so that checks name the source's own rows."""
     return [("training", train)] + ([("validation", val)] if val is not None else [])
 
 
-def _limit(split: object, n: int | None) -> object:
+def limit(split: object, n: int | None) -> object:
     if n is None:
         return split
     if isinstance(split, dict):
@@ -204,13 +216,18 @@ def _limit(split: object, n: int | None) -> object:
     return split.select(range(min(n, len(split))))
 
 
-def _to_dataset(split: object):
+def to_dataset(split: object):
     import datasets
 
     return split if isinstance(split, datasets.Dataset) else datasets.Dataset.from_dict(split)
 
 
-def _dataloaders(args, accelerator, train_ds, eval_ds, collate, batches: tuple[int, int]
+def preset_vocab(tokenizer, args) -> int:
+    """The tiny presets size their embedding to the local tokenizer; base keeps the real model's vocabulary."""
+    return len(tokenizer) if args.model_preset.startswith("tiny") else max(len(tokenizer), 30522)
+
+
+def dataloaders(args, accelerator, train_ds, eval_ds, collate, batches: tuple[int, int]
                  ) -> tuple[DataLoader, DataLoader]:
     # Workers only load and collate: the order comes from the sampler in the main process, so a resumed run sees
     # the same batches with any number of them. Pinned memory speeds host-to-GPU copies and is pointless elsewhere.
@@ -225,7 +242,8 @@ def _dataloaders(args, accelerator, train_ds, eval_ds, collate, batches: tuple[i
     return train, evaluation
 
 
-def _tokenizer(args, texts: list[str]):
+def tokenizer_for(args, texts: list[str]):
+    """--tokenizer_name or the model's own tokenizer; a word-level one trained on `texts` for a preset."""
     name = args.tokenizer_name or args.model_name_or_path
     if name is None:
         return data.build_word_tokenizer(texts, args.task)
@@ -244,187 +262,3 @@ def _tokenizer(args, texts: list[str]):
     if tok.pad_token is None:  # GPT-2 style tokenizers have none; padding is masked out of the loss anyway
         tok.pad_token = tok.eos_token
     return tok
-
-
-def _text_classification(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int],
-                         keep: tuple[str, ...] = ()) -> Task:
-    cols = data.column_names(train_raw)
-    text_col = data.pick_column(cols, args.text_column, data._TEXT_GUESSES, "text", "text_column")
-    # Sentence pairs (GLUE MRPC, MNLI ...): the tokenizer joins the two its own way ([SEP] and segment ids for BERT).
-    pair_col = (data.pick_column(cols, args.text_pair_column, (), "text pair", "text_pair_column")
-                if args.text_pair_column else None)
-    label_col = data.pick_column(cols, args.label_column, data._LABEL_GUESSES, "label", "label_column")
-    for split, ds in _given_splits(train_raw, val_raw):
-        for col in filter(None, (text_col, pair_col)):
-            datacheck.check_texts(list(ds[col]), col, split)
-        datacheck.check_label_values(list(ds[label_col]), label_col, split)
-    datacheck.check_held_out(train_raw, val_raw, [text_col, pair_col])
-    train_raw, val_raw = data.hold_out(train_raw, val_raw, source)
-    train_raw, val_raw = _limit(train_raw, args.max_train_samples), _limit(val_raw, args.max_eval_samples)
-    train_ds, val_ds = _to_dataset(train_raw), _to_dataset(val_raw)
-    labels, mapping = datacheck.label_set(list(train_ds[label_col]), list(val_ds[label_col]), label_col)
-    to_id = datacheck.label_index(mapping)
-    texts = list(train_ds[text_col]) + (list(train_ds[pair_col]) if pair_col else [])
-    tokenizer = _tokenizer(args, texts)
-    datacheck.check_seq_length(args.max_seq_length, tokenizer.num_special_tokens_to_add(bool(pair_col)), args.task)
-
-    def encode(batch):
-        pairs = (batch[pair_col],) if pair_col else ()
-        enc = tokenizer(batch[text_col], *pairs, truncation=True, max_length=args.max_seq_length)
-        enc["labels"] = [to_id(v) for v in batch[label_col]]
-        enc.update({c: batch[c] for c in keep if c in batch})  # validation may lack them
-        return enc
-
-    with accelerator.main_process_first():
-        train_ds, val_ds = (ds.map(encode, batched=True, remove_columns=ds.column_names) for ds in (train_ds, val_ds))
-    from transformers import DataCollatorWithPadding
-
-    if args.model_name_or_path:
-        extra = {"id2label": dict(enumerate(labels))} if mapping else {}
-        config = models.load_pretrained_config(args, num_labels=len(labels), **extra)
-        if getattr(config, "pad_token_id", None) is None:
-            # Decoder-only classifiers (GPT-2, Llama) score the last token that is not padding and refuse a batch
-            # of more than one without a pad id: the tokenizer's (its EOS, for GPT-2-style tokenizers).
-            config.pad_token_id = tokenizer.pad_token_id
-    else:
-        config = models.preset_config(args.task, args.model_preset, vocab_size=_vocab(tokenizer, args),
-                                      num_labels=len(labels), pad_token_id=tokenizer.pad_token_id)
-        if mapping:
-            config.id2label = dict(enumerate(labels))
-    model = models.build_model(args, config)
-    train_dl, eval_dl = _dataloaders(args, accelerator, train_ds, val_ds, DataCollatorWithPadding(tokenizer), batches)
-    lengths = [len(x) for x in train_ds["input_ids"]]
-    stats = datastats.text_stats(lengths, None, batches[0], args.seed)
-    return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, tokenizer, stats=stats,
-                keep_columns=keep)
-
-
-def _vocab(tokenizer, args) -> int:
-    """The tiny presets size their embedding to the local tokenizer; base keeps the real model's vocabulary."""
-    return len(tokenizer) if args.model_preset.startswith("tiny") else max(len(tokenizer), 30522)
-
-
-class CausalCollator:
-    """Pads a batch; padding is masked out of the labels (-100) so it never counts as a target token."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        batch = self.tokenizer.pad(features, return_tensors="pt")
-        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        return dict(batch)
-
-
-def _causal_lm(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int],
-               keep: tuple[str, ...] = ()) -> Task:
-    cols = data.column_names(train_raw)
-    text_col = data.pick_column(cols, args.text_column, data._TEXT_GUESSES, "text", "text_column")
-    for split, ds in _given_splits(train_raw, val_raw):
-        datacheck.check_texts(list(ds[text_col]), text_col, split, allow_empty=True)  # blank lines are dropped
-    datacheck.check_held_out(train_raw, val_raw, [text_col])
-    train_raw, val_raw = data.hold_out(train_raw, val_raw, source)
-    train_ds, val_ds = _to_dataset(train_raw), _to_dataset(val_raw)
-    # Blank lines (wikitext has many) hold no target token.
-    train_ds, val_ds = (ds.filter(lambda b: [bool(t and t.strip()) for t in b[text_col]], batched=True)
-                        for ds in (train_ds, val_ds))
-    if len(train_ds) == 0:
-        raise InputError(_NO_EXAMPLES.format(source=source))
-    packed = args.packing != "none"
-    if not packed:  # a sample is a line: the limits count lines (packed, they count blocks, as in run_clm)
-        train_ds, val_ds = _limit(train_ds, args.max_train_samples), _limit(val_ds, args.max_eval_samples)
-    tokenizer = _tokenizer(args, list(train_ds[text_col]))
-    datacheck.check_seq_length(args.max_seq_length, tokenizer.num_special_tokens_to_add(), args.task)
-    if args.model_name_or_path:
-        config = models.load_pretrained_config(args)
-    else:
-        config = models.preset_config(args.task, args.model_preset, vocab_size=_vocab(tokenizer, args),
-                                      pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                                      eos_token_id=tokenizer.eos_token_id)
-    with accelerator.main_process_first():
-        train_ds, text_tokens = packing.samples(train_ds, tokenizer, text_col, args.packing, args.max_seq_length,
-                                                train=True, keep=keep)
-        val_ds, _ = packing.samples(val_ds, tokenizer, text_col, args.packing, args.max_seq_length, train=False,
-                                    keep=keep)
-    if len(train_ds) == 0:
-        raise InputError(f"The training text ({source}) holds {text_tokens} tokens, fewer than one block of "
-                         f"--max_seq_length {args.max_seq_length}. Lower --max_seq_length, add text, or pass "
-                         "--packing none.")
-    held = sum(train_ds["n_real"])  # before --max_train_samples: what packing or the cut left of the text
-    if packed:
-        train_ds, val_ds = _limit(train_ds, args.max_train_samples), _limit(val_ds, args.max_eval_samples)
-    stats = datastats.text_stats(train_ds["n_real"], train_ds["n_targets"], batches[0],
-                                 args.seed, block=args.max_seq_length if packed else None)
-    stats["train_text_tokens"] = text_tokens
-    stats["dropped_token_fraction"] = round(1.0 - held / max(1, text_tokens), 6)
-    _report_packing(args, accelerator, stats)
-    train_ds, val_ds = (ds.remove_columns(["n_real", "n_targets"]) for ds in (train_ds, val_ds))
-    model = models.build_model(args, config)
-    collate = packing.BlockCollator() if packed else CausalCollator(tokenizer)
-    train_dl, eval_dl = _dataloaders(args, accelerator, train_ds, val_ds, collate, batches)
-    return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, tokenizer,
-                packing=args.packing, stats=stats, keep_columns=keep)
-
-
-def _report_packing(args, accelerator, stats: dict) -> None:
-    if not accelerator.is_main_process:
-        return
-    dropped = stats["dropped_token_fraction"]
-    if args.packing == "none" and dropped > 0:
-        logger.warning("--packing none: --max_seq_length %d cut %.1f%% of the training text's %d tokens. "
-                       "--packing concat (the default) packs whole documents into blocks and keeps them.",
-                       args.max_seq_length, 100 * dropped, stats["train_text_tokens"])
-    logger.info("causal-lm data, --packing %s: %d training samples of up to %d tokens, %d target tokens per epoch, "
-                "%.1f%% of the text's tokens left out, %.1f%% padding", args.packing, stats["train_examples"],
-                args.max_seq_length, stats["train_target_tokens"], 100 * dropped, 100 * stats["padding_fraction"])
-
-
-def _image_classification(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int],
-                          keep: tuple[str, ...] = ()) -> Task:
-    cols = [c for c in data.column_names(train_raw) if c != "classes"]
-    image_col = data.pick_column(cols, args.image_column, data._IMAGE_GUESSES, "image", "image_column")
-    label_col = data.pick_column(cols, args.label_column, data._LABEL_GUESSES, "label", "label_column")
-    for split, ds in _given_splits(train_raw, val_raw):
-        datacheck.check_label_values(list(ds[label_col]), label_col, split)
-    if args.train_dir or args.train_file:  # image paths (the built-in and hub images are decoded arrays)
-        datacheck.check_held_out(train_raw, val_raw, [image_col])
-    train_raw, val_raw = data.hold_out(train_raw, val_raw, source)
-    train_raw, val_raw = _limit(train_raw, args.max_train_samples), _limit(val_raw, args.max_eval_samples)
-    train_labels, val_labels = list(train_raw[label_col]), list(val_raw[label_col])
-    datacheck.check_images(list(train_raw[image_col]), "training")
-    datacheck.check_images(list(val_raw[image_col]), "validation")
-    classes, mapping = datacheck.label_set(train_labels, val_labels, label_col)
-    folder_names = train_raw.get("classes") if isinstance(train_raw, dict) else None
-    names = [folder_names[int(c)] for c in classes] if folder_names else (classes if mapping else None)
-    to_id = datacheck.label_index(mapping)
-    processor = None
-    if args.model_name_or_path:
-        extra = {"id2label": dict(enumerate(names))} if names else {}
-        config = models.load_pretrained_config(args, num_labels=len(classes), **extra)
-        processor = _pretrained_processor(args)
-    else:
-        config = models.preset_config(args.task, args.model_preset, num_labels=len(classes))
-        if names:
-            config.id2label = dict(enumerate(names))
-    size = config.image_size
-    # Saved beside the weights, so that pipeline("image-classification", model=output_dir) prepares an image as
-    # training did: the same size, resampling and normalization.
-    processor = processor or data.image_processor(size, [0.5] * 3, [0.5] * 3)
-    mean, std = list(processor.image_mean), list(processor.image_std)
-    train_ds = data.ImageDataset(list(train_raw[image_col]), [to_id(v) for v in train_labels], size, mean, std)
-    val_ds = data.ImageDataset(list(val_raw[image_col]), [to_id(v) for v in val_labels], size, mean, std)
-    model = models.build_model(args, config)
-    train_dl, eval_dl = _dataloaders(args, accelerator, train_ds, val_ds, None, batches)
-    return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, processor=processor,
-                stats={"train_examples": len(train_ds)})
-
-
-def _pretrained_processor(args):
-    """The pretrained model's own image processor (its normalization), when it ships one."""
-    try:
-        from transformers import AutoImageProcessor
-
-        proc = AutoImageProcessor.from_pretrained(args.model_name_or_path)
-        return proc if hasattr(proc, "image_mean") and hasattr(proc, "image_std") else None
-    except (OSError, ValueError, AttributeError):
-        return None

@@ -45,6 +45,7 @@ NEW_PATH_COMMENT = f"  # {VENDORED}/ beside this file, from any directory"
 # Launch configs named in a recipe's docstring (examples like `accelerate_configs/zero*.yaml` do not match).
 CONFIG_RE = re.compile(r"accelerate_configs/[\w.\-]+\.(?:ya?ml|json)\b")
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+TASKS = ("text-classification", "causal-lm", "image-classification")  # shared/tasks/, one module each
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -253,10 +254,22 @@ def _imports_core(data: bytes) -> bool:
     return bool(core_imports(_parse(data)))
 
 
-def core_closure(recipe_tree: ast.AST, where: str = "the recipe") -> dict[tuple[str, ...], Path]:
+def default_task(recipe_tree: ast.AST) -> str:
+    """The task a recipe trains when --task is not given: its parse_args(..., task=...) default, else args.py's."""
+    for node in ast.walk(recipe_tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "parse_args":
+            for kw in node.keywords:
+                if kw.arg == "task" and isinstance(kw.value, ast.Constant):
+                    return kw.value.value
+    return "text-classification"
+
+
+def core_closure(recipe_tree: ast.AST, where: str = "the recipe", tasks: tuple[str, ...] = ()
+                 ) -> dict[tuple[str, ...], Path]:
     """The core modules a recipe needs: those it imports, what they import (relative imports, imports inside
-    functions), their packages' __init__.py, and the core's own __init__.py (importing any module runs it)."""
-    todo = {()} | _imported_modules(recipe_tree, None, where)
+    functions), their packages' __init__.py, and the core's own __init__.py (importing any module runs it); and the
+    task modules of `tasks` (shared/tasks/<task>.py, which load_task imports by name at run time)."""
+    todo = {()} | _imported_modules(recipe_tree, None, where) | {("tasks", t.replace("-", "_")) for t in tasks}
     found: dict[tuple[str, ...], Path] = {}
     while todo:
         parts = todo.pop()
@@ -490,6 +503,7 @@ class Copy:
     unchanged: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)  # edited file left as it is -> where the fresh copy went
     backups: dict[str, str] = field(default_factory=dict)  # edited file replaced (--force) -> where the edit is kept
+    tasks: list[str] = field(default_factory=list)  # the task modules it carries (shared/tasks/)
 
     @property
     def readme(self) -> str:
@@ -582,6 +596,10 @@ pip install -r {c.requirements}
 Run `accelerate launch` from this folder (the config paths are relative to it); `python {c.recipe}.py` also runs
 from any other directory.
 
+The model, the data, the loss and the metrics you change first are in the task module it carries:
+{", ".join(f"`{VENDORED}/tasks/{t.replace('-', '_')}.py` (--task {t})" for t in c.tasks)}. Another task: copy again
+with `{COMMAND} {c.recipe} DEST --task NAME` (text-classification, causal-lm, image-classification).
+
 | file | from |
 |---|---|
 {chr(10).join(rows)}
@@ -593,17 +611,20 @@ def _lines(data: bytes) -> int:
     return len(data.decode(errors="replace").splitlines())
 
 
-def plan_copy(recipe_path: Path, dest: Path) -> Copy:
-    """Everything to write, decided before anything is written."""
+def plan_copy(recipe_path: Path, dest: Path, tasks: list[str] | None = None) -> Copy:
+    """Everything to write, decided before anything is written. `tasks`: the task modules to carry (unset: the
+    recipe's default task's; "all": every task)."""
     recipe = recipe_path.stem
     text = recipe_path.read_bytes().decode()
     tree = ast.parse(text)
     c = Copy(recipe, dest)
+    tasks = TASKS if tasks and "all" in tasks else tuple(dict.fromkeys(tasks or [default_task(tree)]))
+    c.tasks = list(tasks)
     origin = str(recipe_path.relative_to(ROOT)) if recipe_path.is_relative_to(ROOT) else str(recipe_path)
     c.files[f"{recipe}.py"] = (rewrite_recipe(text, recipe).encode(), origin)
 
     core_files = []
-    for _, path in sorted(core_closure(tree, origin).items()):
+    for _, path in sorted(core_closure(tree, origin, tasks).items()):
         rel = path.relative_to(CORE_DIR).as_posix()
         data = path.read_bytes()
         if _imports_core(data):  # an absolute `shared.` import inside the core would leave DEST
@@ -708,19 +729,20 @@ def write_copy(c: Copy, force: bool = False) -> Copy:
     return c
 
 
-def copy_recipe(recipe: str, dest: str | Path, force: bool = False) -> Copy:
+def copy_recipe(recipe: str, dest: str | Path, force: bool = False, tasks: list[str] | None = None) -> Copy:
     recipe_path = resolve_recipe(recipe)
     dest = Path(dest).expanduser().resolve()
     # Into the repository's root or its recipes/, shared/ or configs, the copy would overwrite the originals.
     if dest == ROOT or any(dest.is_relative_to(d) for d in (CORE_DIR, RECIPES, ROOT / "accelerate_configs")):
         raise SystemExit(f"DEST {dest} is the repository's own; choose a folder of your project.")
-    return write_copy(plan_copy(recipe_path, dest), force)
+    return write_copy(plan_copy(recipe_path, dest, tasks), force)
 
 
 def summary(c: Copy) -> str:
     core = sorted(r.removeprefix(f"{VENDORED}/") for r in c.files if r.startswith(f"{VENDORED}/"))
     lines = [f"Copied {c.recipe} to {c.dest} ({len(c.written)} files written, {len(c.unchanged)} unchanged):",
-             f"  {c.recipe}.py", f"  {VENDORED}/: {' '.join(core)}"]
+             f"  {c.recipe}.py", f"  {VENDORED}/: {' '.join(core)}",
+             f"  tasks: {', '.join(c.tasks)} (--task NAME adds another: {', '.join(TASKS)})"]
     configs = [r.removeprefix("accelerate_configs/") for r in c.files if r.startswith("accelerate_configs/")]
     if configs:
         lines.append(f"  accelerate_configs/: {' '.join(configs)}")
@@ -758,7 +780,7 @@ def copied_lines() -> dict[str, tuple[int, int, int]]:
 
 def lines_table() -> str:
     """docs/layout.md's table of copied lines, as markdown."""
-    rows = ["| recipe | recipe | spine (`core/`) | techniques | in all |", "|---|---:|---:|---:|---:|"]
+    rows = ["| recipe | recipe | spine (`core/` and its task) | techniques | in all |", "|---|---:|---:|---:|---:|"]
     rows += [f"| `{r}` | {a} | {b} | {c} | {a + b + c} |" for r, (a, b, c) in copied_lines().items()]
     return "\n".join(rows)
 
@@ -769,6 +791,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("recipe", nargs="?", help=f"A recipe name ({', '.join(recipe_names()[:3])}, ...) or a recipe file.")
     p.add_argument("dest", nargs="?", help="The folder to write (created if missing).")
     p.add_argument("--lines", action="store_true", help="Print the lines each recipe's copy carries, and stop.")
+    p.add_argument("--task", action="append", choices=(*TASKS, "all"), default=None,
+                   help="A task module to carry (repeatable; all: every one). Unset: the recipe's default task's.")
     p.add_argument("--force", action="store_true",
                    help="Replace DEST/<recipe>.py and the files this command wrote before even if edited since; "
                         "each edited file is kept beside as FILE.orig. Without it an edited file stays as it is and "
@@ -779,7 +803,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (args.recipe and args.dest):
         p.error("name a RECIPE and a DEST folder (or --lines)")
-    print(summary(copy_recipe(args.recipe, args.dest, args.force)))
+    print(summary(copy_recipe(args.recipe, args.dest, args.force, args.task)))
     return 0
 
 

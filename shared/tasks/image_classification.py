@@ -1,0 +1,77 @@
+"""Image classification (ViT): what you change first is here.
+
+- the data: image folders (<dir>/<class>/<image>) or files with image and label columns, read and checked in `build`;
+- the model: a hub id or local directory (its image processor kept), or a preset, in `build`;
+- the loss: the summed cross-entropy of shared/core/losses.py, or your own;
+- the metrics: `compute_metrics`, over the whole validation set.
+"""
+
+from __future__ import annotations
+
+from ..core import data, datacheck, models
+from ..core.tasks import Task, dataloaders, given_splits, limit
+
+# Your own loss: def loss_fn(logits, labels, kept) -> the batch's summed loss, which the loop divides by the
+# global batch's items (`kept`: the columns load_task(keep_columns=) kept). None: the task's summed cross-entropy
+# (shared/core/losses.py). chunked_loss and sequence_parallel, which compute the loss their own way, refuse
+# one; the pipeline recipes train with it. docs/adapting_a_copy.md: class weights.
+loss_fn = None
+
+
+# Your own metrics: def compute_metrics(predictions, labels) -> {name: value}, over the whole validation set gathered
+# from every process; each name is reported as eval_<name> (results.json, the trackers). None: eval_accuracy.
+# docs/adapting_a_copy.md: F1.
+compute_metrics = None
+
+
+def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int], keep: tuple[str, ...] = ()
+          ) -> Task:
+    cols = [c for c in data.column_names(train_raw) if c != "classes"]
+    image_col = data.pick_column(cols, args.image_column, data._IMAGE_GUESSES, "image", "image_column")
+    label_col = data.pick_column(cols, args.label_column, data._LABEL_GUESSES, "label", "label_column")
+    for split, ds in given_splits(train_raw, val_raw):
+        datacheck.check_label_values(list(ds[label_col]), label_col, split)
+    if args.train_dir or args.train_file:  # image paths (the built-in and hub images are decoded arrays)
+        datacheck.check_held_out(train_raw, val_raw, [image_col])
+    train_raw, val_raw = data.hold_out(train_raw, val_raw, source)
+    train_raw, val_raw = limit(train_raw, args.max_train_samples), limit(val_raw, args.max_eval_samples)
+    train_labels, val_labels = list(train_raw[label_col]), list(val_raw[label_col])
+    datacheck.check_images(list(train_raw[image_col]), "training")
+    datacheck.check_images(list(val_raw[image_col]), "validation")
+    classes, mapping = datacheck.label_set(train_labels, val_labels, label_col)
+    folder_names = train_raw.get("classes") if isinstance(train_raw, dict) else None
+    names = [folder_names[int(c)] for c in classes] if folder_names else (classes if mapping else None)
+    to_id = datacheck.label_index(mapping)
+    processor = None
+    if args.model_name_or_path:
+        extra = {"id2label": dict(enumerate(names))} if names else {}
+        config = models.load_pretrained_config(args, num_labels=len(classes), **extra)
+        processor = _pretrained_processor(args)
+    else:
+        config = models.preset_config(args.task, args.model_preset, num_labels=len(classes))
+        if names:
+            config.id2label = dict(enumerate(names))
+    size = config.image_size
+    # Saved beside the weights, so that pipeline("image-classification", model=output_dir) prepares an image as
+    # training did: the same size, resampling and normalization.
+    processor = processor or data.image_processor(size, [0.5] * 3, [0.5] * 3)
+    mean, std = list(processor.image_mean), list(processor.image_std)
+    train_ds = data.ImageDataset(list(train_raw[image_col]), [to_id(v) for v in train_labels], size, mean, std)
+    val_ds = data.ImageDataset(list(val_raw[image_col]), [to_id(v) for v in val_labels], size, mean, std)
+    model = models.build_model(args, config)
+    train_dl, eval_dl = dataloaders(args, accelerator, train_ds, val_ds, None, batches)
+    return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, processor=processor,
+                stats={"train_examples": len(train_ds)}, loss_fn=loss_fn,
+                compute_metrics=compute_metrics)
+
+
+
+def _pretrained_processor(args):
+    """The pretrained model's own image processor (its normalization), when it ships one."""
+    try:
+        from transformers import AutoImageProcessor
+
+        proc = AutoImageProcessor.from_pretrained(args.model_name_or_path)
+        return proc if hasattr(proc, "image_mean") and hasattr(proc, "image_std") else None
+    except (OSError, ValueError, AttributeError):
+        return None
