@@ -89,7 +89,12 @@ def _closure(recipe: str) -> set[str]:
         base = core.joinpath(*parts)
         return next((f for f in (base / "__init__.py", base.with_suffix(".py")) if parts and f.is_file()), None)
 
-    todo, found = [ROOT / "recipes" / f"{recipe}.py"], {"__init__.py"}
+    # and the recipe's default task's module (parse_args(..., task=...), else text-classification), which
+    # load_task imports by name
+    default = re.search(r'parse_args\([^)]*task="([\w-]+)"', (ROOT / "recipes" / f"{recipe}.py").read_text())
+    task = (default.group(1) if default else "text-classification").replace("-", "_")
+    todo, found = [ROOT / "recipes" / f"{recipe}.py", core / "tasks" / f"{task}.py"], {"__init__.py"}
+    found |= {"tasks/__init__.py", f"tasks/{task}.py"}
     while todo:
         path = todo.pop()
         package = path.parent.relative_to(core).parts if path.is_relative_to(core) else None

@@ -13,7 +13,7 @@ import torch
 from shared.core import data
 from shared.core.args import PACKING
 from shared.core.tasks import Task
-from shared.tasks import packing
+from shared.tasks import causal_lm, packing
 from tests.conftest import load_params, max_param_diff, run_recipe
 
 VOCAB = "the cat dog ran to a red blue house and field one two three fox owl river road garden".split()
@@ -119,7 +119,8 @@ def test_per_document_logits_equal_each_document_alone(kind, attn):
     blocks = packing.pack(docs, block_size=48, per_document=True, keep_last=True, pad_id=0)
     batch = packing.BlockCollator()([{k: v[i] for k, v in blocks.items()} for i in range(len(blocks["input_ids"]))])
     batch = {k: v for k, v in batch.items() if k not in ("n_real", "n_targets")}
-    task = Task("causal-lm", model, kind, None, None, "test", packing="per_document")
+    task = Task("causal-lm", model, kind, None, None, "test", packing="per_document",
+                inputs_fn=causal_lm.model_inputs("per_document", model))
     with torch.no_grad():
         packed = model(**task._inputs(batch)).logits
         leaky = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
