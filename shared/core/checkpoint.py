@@ -240,7 +240,7 @@ class Preemption:
         logger.warning("%s received: saved %s at step %d; continue with --resume_from_checkpoint latest",
                        name, path, step)
         self.accelerator.end_training()
-        sys.exit(128 + signum)
+        sys.exit(128 + signum)  # the exit code a scheduler reads as "preempted, saved": not a refusal to catch
 
 
 def maybe_save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, max_steps: int,

@@ -87,4 +87,4 @@ def report(accelerator, launch: Launch, task, model, optimizer, max_steps: int |
         print(f"{REPORT_LINE} {path.resolve()}", flush=True)
     accelerator.wait_for_everyone()
     end_run(accelerator)  # the same exit as a finished run (a gloo exit deadlock otherwise)
-    raise SystemExit(0)
+    raise SystemExit(0)  # --preflight asked for the report alone: a clean exit, not an error

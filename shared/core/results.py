@@ -46,7 +46,7 @@ def finish(accelerator, launch: Launch, task, model: torch.nn.Module, eval_datal
         kept = "--no_save_model: no model was saved" if launch.args.no_save_model else (
             f"the trained model was saved to {launch.output_dir} before it")
         logger.error("interrupted during the final evaluation: %s; results.json is not written", kept)
-        raise SystemExit(128 + signal.SIGINT) from None
+        raise SystemExit(128 + signal.SIGINT) from None  # a process exit, as Ctrl-C's: not a refusal to catch
     results = collect_results(accelerator, launch, task, meter, metrics, extras)
     return write_results(accelerator, launch, results)
 
