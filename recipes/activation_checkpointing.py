@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
         dynamo_plugin=launch.dynamo_plugin,  # --torch_compile: applied in prepare(), after DDP / FSDP / checkpointing
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
-    task = load_task(launch, accelerator)  # the model, data, loss and metrics: shared/tasks/<task>.py
+    task = load_task(launch, accelerator)
 
     # What checkpointing saves and costs, measured on one batch without and with it (shared/core/meter.py).
     impl = args.checkpointing_impl or ("torch" if per_op_or_layer else "hf")

@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
-    task = load_task(launch, accelerator)  # the model, data, loss and metrics: shared/tasks/<task>.py
+    task = load_task(launch, accelerator)
     if args.offload_mode == "checkpointed":  # checkpointing keeps each block's input only: that is what moves
         task.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     max_steps = total_steps(launch, accelerator, task.train_dataloader)

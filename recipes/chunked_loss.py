@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
         deepspeed_plugin=plugin,  # None: the launch config's sharding (DDP, FSDP) or none
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
-    task = load_task(launch, accelerator)  # the model, data, loss and metrics: shared/tasks/<task>.py
+    task = load_task(launch, accelerator)
     max_steps = total_steps(launch, accelerator, task.train_dataloader)
     optimizer, scheduler = optimizer_and_scheduler(launch, task.model, max_steps)
 

@@ -129,7 +129,7 @@ def main(argv=None) -> dict:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
     sharded = launch.run.sharded_params  # ZeRO-3 or FSDP: they place the (quantized) shards themselves
-    task = load_task(launch, accelerator)  # the model, data, loss and metrics: shared/tasks/<task>.py
+    task = load_task(launch, accelerator)
 
     if args.load_in != "full":
         check_linear_only(task.model, RECIPE, f"quantizes (bitsandbytes, --load_in {args.load_in})")  # experts

@@ -60,7 +60,7 @@ def main(argv=None) -> dict:
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     check_fp8_resolved(accelerator)  # Accelerate turns fp8 into fp16 on an older GPU: stop instead
-    task = load_task(launch, accelerator)  # the model, data, loss and metrics: shared/tasks/<task>.py
+    task = load_task(launch, accelerator)
     max_steps = total_steps(launch, accelerator, task.train_dataloader)
     optimizer, scheduler = optimizer_and_scheduler(launch, task.model, max_steps)
 

@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
         parallelism_config=parallelism_config(launch.run, fsdp_plugin),  # None without the flags: FSDP over all
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
-    task = load_task(launch, accelerator)  # the model, data, loss and metrics: shared/tasks/<task>.py
+    task = load_task(launch, accelerator)
     # Wrap the model's own block class, found on the model (hub models without _no_split_modules work too).
     fsdp_plugin.transformer_cls_names_to_wrap = [type(transformer_layers(task.model)[0]).__name__]
     max_steps = total_steps(launch, accelerator, task.train_dataloader)

@@ -94,7 +94,7 @@ def main(argv=None) -> dict:
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     devices = stage_devices(args.num_stages)
-    task = load_task(launch, accelerator)  # the model, data, loss and metrics: shared/tasks/<task>.py
+    task = load_task(launch, accelerator)
     blocks = transformer_layers(task.model)
     layer_ranges = split_layers(len(blocks), len(devices), args.layers_per_stage)
     place_stages(task.model, layer_ranges, devices)

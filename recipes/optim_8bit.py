@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
     # need not wait for its import (seconds).
     import bitsandbytes as bnb
     check_paged(args.paged, accelerator.device.type)  # --paged needs CUDA's unified memory
-    task = load_task(launch, accelerator)  # the model, data, loss and metrics: shared/tasks/<task>.py
+    task = load_task(launch, accelerator)
     max_steps = total_steps(launch, accelerator, task.train_dataloader)
     # The technique: bitsandbytes' 8-bit AdamW, same hyperparameters and parameter groups as torch AdamW.
     optim_cls = bnb.optim.PagedAdamW8bit if args.paged else bnb.optim.AdamW8bit

@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
         import torchao.optim as library
         if launch.run.sharding == "fsdp":
             compile_each_shard_apart()  # else a rank may run the other's cached step graph
-    task = load_task(launch, accelerator)  # the model, data, loss and metrics: shared/tasks/<task>.py
+    task = load_task(launch, accelerator)
     max_steps = total_steps(launch, accelerator, task.train_dataloader)
     # The technique: a low-bit AdamW, same hyperparameters and parameter groups as torch AdamW.
     optim_cls = getattr(library, OPTIMIZERS[args.optim])

@@ -51,7 +51,7 @@ def main(argv=None) -> dict:
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
-    task = load_task(launch, accelerator)  # the model, data, loss and metrics: shared/tasks/<task>.py
+    task = load_task(launch, accelerator)
     max_steps = total_steps(launch, accelerator, task.train_dataloader)
     # The technique: one AdamW per parameter (the same groups, hyperparameters and schedule as the baseline's one),
     # each stepped by its parameter's post-accumulate-grad hook, which then frees that gradient.

@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
-    task = load_task(launch, accelerator)  # the model, data, loss and metrics: shared/tasks/<task>.py
+    task = load_task(launch, accelerator)
     check_linear_only(task.model, RECIPE, "prunes")  # refuses experts that are not nn.Linear
     max_steps = total_steps(launch, accelerator, task.train_dataloader)
     end_step = args.pruning_end_step or max(args.pruning_start_step + 1, int(0.7 * max_steps))

@@ -45,7 +45,7 @@ def main(argv=None) -> dict:
     # The technique's library, imported once the launch is known to be valid: --help and a refused launch
     # need not wait for its import (seconds).
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
-    task = load_task(launch, accelerator)  # the model, data, loss and metrics: shared/tasks/<task>.py
+    task = load_task(launch, accelerator)
     model = task.model.to(accelerator.device).eval()
     check_linear_only(model, RECIPE, "quantizes")  # refuses experts that are not nn.Linear
     stop_if_preflight(accelerator, launch, task, model, None)  # --preflight: print the resolved run, stop

@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
     from torchao.quantization.granularity import PerGroup
     from torchao.quantization.qat import QATConfig
-    task = load_task(launch, accelerator)  # the model, data, loss and metrics: shared/tasks/<task>.py
+    task = load_task(launch, accelerator)
     model = conv1d_to_linear(task.model)  # GPT-2's Conv1D layers become nn.Linear, which torchao quantizes
     check_linear_only(model, RECIPE, "fake-quantizes (then quantizes)")  # refuses experts that are not nn.Linear
     blocks = next(name for name, m in model.named_modules() if m is transformer_layers(model))

@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
     sharded = launch.run.sharded_params  # ZeRO-3 or FSDP: they place the (quantized) shards themselves
-    task = load_task(launch, accelerator)  # the model, data, loss and metrics: shared/tasks/<task>.py
+    task = load_task(launch, accelerator)
     check_linear_only(task.model, RECIPE, f"quantizes (bitsandbytes, {args.load_in})")  # experts not nn.Linear
     out = Path(launch.output_dir)
 

@@ -57,7 +57,7 @@ def main(argv=None) -> dict:
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
-    task = load_task(launch, accelerator)  # the model, data, loss and metrics: shared/tasks/<task>.py
+    task = load_task(launch, accelerator)
     rank, world = accelerator.process_index, accelerator.num_processes
     sp.enable(task.model, world)  # attention through DeepSpeed's all-to-all (refuses heads that do not split)
     # Every process reads the same whole batches (and keeps its chunk of each sequence in the loop).
