@@ -175,6 +175,12 @@ def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, 
     return final
 
 
+def logging_step(launch: Launch, step: int, max_steps: int) -> bool:
+    """Optimizer step `step` (1-based) is a logging step: every --logging_steps steps and the last. The guard and the
+    preemption check read across processes there only, so a step in between waits on no collective."""
+    return step % launch.args.logging_steps == 0 or step == max_steps
+
+
 class Preemption:
     """SIGTERM (a scheduler's preemption) and SIGINT, checked by a line of the recipe's loop: `check(step, ...)`.
 
@@ -219,7 +225,7 @@ class Preemption:
         acc = self.accelerator
         if acc.num_processes == 1:
             return self.local
-        if step % self.launch.args.logging_steps and step != self.max_steps:
+        if not logging_step(self.launch, step, self.max_steps):
             return 0
         votes = torch.tensor([float(self.local == s) for s in self.SIGNALS], device=acc.device)
         counts = acc.reduce(votes, "sum").tolist()  # how many processes received each of SIGNALS
@@ -247,7 +253,7 @@ def maybe_save_checkpoint(accelerator, launch: Launch, step: int, micro_batches:
                           writes=None) -> None:
     """Every --checkpointing_steps optimizer steps and at the last (`max_steps`, the recipe's). `writes`: the run's
     AsyncCheckpoints under --async_checkpoint (written in the background, but the last). SIGTERM/SIGINT are the
-    recipe's own line (launch.Preemption.check)."""
+    recipe's own line (Preemption.check)."""
     every, last = launch.args.checkpointing_steps, step == max_steps
     if every and (step % every == 0 or last):
         save_checkpoint(accelerator, launch, step, micro_batches, keep=launch.args.save_total_limit,

@@ -11,7 +11,7 @@ zero_grad), decides whether training may go on:
   MIN_LOSS_SCALE, or most of the last MOST_SKIPPED_WINDOW steps being skipped: fp16's range is too narrow. It is
   checked every step: Accelerate reads the scale on the host at every fp16 step already (to tell a skipped step).
 On a stop, the training state after step N's update is saved as a checkpoint in <output_dir>/diverged_step_N
-(loadable with --resume_from_checkpoint), and SystemExit says why.
+(loadable with --resume_from_checkpoint), and a TrainingError says why.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .checkpoint import save_checkpoint
+from .checkpoint import logging_step, save_checkpoint
 from .errors import TrainingError
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class DivergenceGuard:
         self._since: int | None = None  # the first step of the window not read yet (a resume starts later)
 
     def check(self, step: int, loss) -> None:
-        """After optimizer step `step` (0-based) whose loss is `loss`: raise SystemExit, the state saved, if it
+        """After optimizer step `step` (0-based) whose loss is `loss`: raise TrainingError, the state saved, if it
         diverged."""
         done = step + 1
         if self.accelerator.mixed_precision == "fp16":
@@ -69,7 +69,7 @@ class DivergenceGuard:
         self._nonfinite += (~torch.isfinite(loss.detach().float())).any()
         self._since = self._since or step
         # Read only at the logging steps: no sync on any other step.
-        if step % self.launch.args.logging_steps and step != self.max_steps:
+        if not logging_step(self.launch, step, self.max_steps):
             return None
         count = self._nonfinite.float()
         if self.accelerator.num_processes > 1:
