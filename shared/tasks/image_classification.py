@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import torch  # noqa: F401  (for a loss_fn or compute_metrics of your own below)
+
 from ..core import data, datacheck, models
 from ..core.tasks import Task, dataloaders, given_splits, limit
 
