@@ -983,7 +983,10 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
             # bitsandbytes' weights; prepare_model_for_kbit_training casts every other weight to fp32
             base = sum(nf4_bytes(num) if tech.load_in == "4bit" else int8_bytes(num, out)
                        for _, out, num in spec.linear_weights) + 4 * (psi - linear)
-            p.activations = act.saved - act.weight_copies + 2 * linear / 16
+            p.activations = act.saved - act.weight_copies
+            # bitsandbytes dequantizes one weight at a time to the compute dtype (forward, and again in backward for
+            # the input's gradient) and frees it after the matmul: one layer's 16-bit copy is alive at a time
+            p.buffers += 2 * max(num for _, _, num in spec.linear_weights)
         else:  # the base as loaded (DeepSpeed's bf16 casts it); FSDP2 upcasts only what trains
             base = (2 if deepspeed and half else wb) * (psi - spec.head_numel)
             p.activations = act.saved
@@ -1053,7 +1056,11 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
                 p.host += p.weights
             p.weights = 0.0
         if tech.offload != "none" and stage < 3:
-            p.grads = w * psi  # ZeRO-Offload keeps the 16-bit gradients on the device
+            # ZeRO-Offload copies each reduced gradient into the host partition and frees the device's
+            # (stage_1_and_2.py: `clear_grad_attribute(param)  #offload only`): what stays is the reduction buckets,
+            # two of reduce_bucket_size elements (Accelerate's "auto": hidden x hidden) with overlap_comm. DeepSpeed's
+            # estimate_zero2_model_states_mem_needs(cpu_offload=True) counts 2 Psi on the device: the weights alone.
+            p.grads = 2 * w * spec.hidden * spec.hidden
         elif tech.offload != "none":  # ZeRO-3's gradient partitions live on the optimizer's device: the host
             p.host += p.grads
             p.grads = 0.0
