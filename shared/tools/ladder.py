@@ -158,21 +158,38 @@ def ladder(spec: ModelSpec, batch: int, seq: int, kernels: str = "cuda",
     return out
 
 
+# What the first two rungs are when the weights are trained in bf16 (--weights_dtype bf16, or auto on a bf16
+# checkpoint): no fp32 anywhere, so "fp32" and "fp32 master weights" would be false.
+BF16_WEIGHTS_LABELS = {"baseline": "bf16 weights as loaded, AdamW (no fp32 masters)",
+                       "bf16": "bf16 autocast on bf16 weights (no fp32 masters)"}
+
+
+def rung_label(rung: Rung, spec: ModelSpec) -> str:
+    """What the rung adds, in words true for the model's weights dtype."""
+    return BF16_WEIGHTS_LABELS.get(rung.name, rung.adds) if spec.weight_bytes == 2 else rung.adds
+
+
 def print_ladder(spec: ModelSpec, args: argparse.Namespace) -> None:
     """The ladder for the user's model and GPU: per rung, what it adds and the bytes per device."""
     usable = args.gpu_memory - args.reserve
     print(f"Technique ladder for {spec.name}: {args.per_device_batch_size} x {args.seq_len} tokens per device, "
           f"{fmt(args.gpu_memory)} per GPU ({fmt(usable)} usable); each rung adds one technique to the one before "
           "(recipes/combined.py flags; the ZeRO rungs: 2 GPUs)")
-    print(f"{'rung':<15}{'adds':<44}{'weights':>10}{'grads':>10}{'optim':>10}{'activ':>10}{'peak':>10}{'speed':>7}"
-          "  fits")
+    if spec.weight_bytes == 2:
+        print(f"weights: --weights_dtype {spec.weights_dtype}: bf16 weights, gradients and AdamW moments, no fp32 "
+              "masters (the ZeRO rungs: DeepSpeed keeps its own fp32 partitions)")
+    print(f"{'rung':<15}{'adds':<50}{'weights':>10}{'grads':>10}{'optim':>10}{'activ':>10}{'buffers':>10}"
+          f"{'peak':>11}{'speed':>7}  fits")
     for rung, _, p, refused in ladder(spec, args.per_device_batch_size, args.seq_len, args.kernels, args.lora_r):
+        adds = rung_label(rung, spec)
         if refused:
-            print(f"{rung.name:<15}{rung.adds:<44}refused: {refused[0][:150]}")
+            print(f"{rung.name:<15}{adds:<50}refused: {refused[0][:150]}")
             continue
         fits = "yes" if p.device_peak <= usable else "no"
-        print(f"{rung.name:<15}{rung.adds:<44}{fmt(p.weights):>10}{fmt(p.grads):>10}{fmt(p.optimizer):>10}"
-              f"{fmt(p.activations):>10}{fmt(p.device_peak):>10}{p.speed:>7.2f}  {fits}")
+        print(f"{rung.name:<15}{adds:<50}{fmt(p.weights):>10}{fmt(p.grads):>10}{fmt(p.optimizer):>10}"
+              f"{fmt(p.activations):>10}{fmt(p.buffers):>10}{fmt(p.device_peak):>11}{p.speed:>7.2f}  {fits}")
+    print("weights + grads + optim + activ + buffers = peak (buffers: the optimizer's temporaries, the logits at the "
+          "loss, gathered shards)")
     print("Run a rung: accelerate launch [--config_file accelerate_configs/<config>] recipes/combined.py <its flags>;"
           " measured on CPU: benchmarks/ladder.py (docs/ladder.md)")
 

@@ -86,7 +86,9 @@ class ModelSpec:
     expert_intermediate: int = 0  # one expert's MLP width
     expert_numel: int = 0  # parameters of the experts, all blocks
     layer_expert_numel: int = 0  # parameters of one block's experts
-    weight_bytes: int = 4  # bytes per weight as the recipes load them: the checkpoint's dtype; presets fp32
+    weight_bytes: int = 4  # bytes per weight as the recipes train them (--weights_dtype; auto: the checkpoint's)
+    checkpoint_bytes: int = 4  # bytes per weight in the checkpoint (its config's dtype); presets fp32
+    weights_dtype: str = "auto"  # the --weights_dtype that gave weight_bytes (auto: as loaded)
     tp_split_numel: int = -1  # parameters the model's own tensor-parallel plan splits; -1: it ships none (PLANS)
     logit_transform: str = ""  # a config entry that changes the logits after the head, e.g. final_logit_softcapping=30
     max_positions: int = 0  # position embeddings (0: not limited)
@@ -318,7 +320,7 @@ def model_spec(config, task: str, name: str, disable_dropout: bool = False) -> M
         expert_numel=expert_numel,
         layer_expert_numel=sum(p.numel() for n, p in block.named_parameters() if n.startswith("mlp.experts.")),
         # GPT-2, BERT and ViT split by shared/techniques/tensor_parallel.py's PLANS, whatever their config ships
-        weight_bytes=_dtype_bytes(cfg), tp_split_numel=-1 if family in ("bert", "gpt2", "vit") else _own_tp_split(
+        weight_bytes=_dtype_bytes(cfg), checkpoint_bytes=_dtype_bytes(cfg), tp_split_numel=-1 if family in ("bert", "gpt2", "vit") else _own_tp_split(
             model, cfg),
         logit_transform=f"final_logit_softcapping={softcap:g}" if softcap else "",
         max_positions=getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None) or 0,
@@ -639,7 +641,13 @@ def recompute_options(spec: ModelSpec, batch: int, seq: int | None, precision: s
         options.append(Recompute(every, False, act.saved + act.layer, (n_layers // every) / n_layers))
     act = activation_bytes(spec, batch, seq, precision, True, kernels, 1, selective=True, weights16=weights16)
     options.append(Recompute(1, True, act.saved + act.layer, SELECTIVE_RECOMPUTE))
-    return sorted(options, key=lambda o: (o.recompute, o.activations))
+    # A setting that recomputes more and saves nothing over one that recomputes less (checkpointing only the last
+    # block: backward rebuilds it while every other block still holds its activations) is never a choice.
+    kept: list[Recompute] = []
+    for o in sorted(options, key=lambda o: (o.recompute, o.activations)):
+        if not kept or o.activations < min(k.activations for k in kept):
+            kept.append(o)
+    return kept
 
 
 def least_recompute(spec: ModelSpec, batch: int, seq: int | None, budget: float, precision: str = "fp32",
@@ -735,8 +743,10 @@ TECHNIQUES: list[Technique] = [
     Technique("optim_fp8", "optim_low_bit", None, optimizer="adamw_torchao_fp8", args=("--optim", "adamw_torchao_fp8")),
     Technique("optimizer_in_backward", "optimizer_in_backward", None, optimizer="adamw_in_backward"),
     *(Technique(name, "zero", f"{name}.yaml", **_launch(name)) for name in ("zero1", "zero2", "zero3")),
-    *(Technique(name, "zero3_offload", f"{name}.yaml", **_launch(name))
-      for name in ("zero2_offload", "zero3_offload", "zero3_nvme")),
+    # ZeRO-2 with optimizer offload is recipes/zero.py's launch (zero2_offload.yaml says so); zero3_offload.py runs
+    # the ZeRO-3 offload configs (parameters offloaded too)
+    Technique("zero2_offload", "zero", "zero2_offload.yaml", **_launch("zero2_offload")),
+    *(Technique(name, "zero3_offload", f"{name}.yaml", **_launch(name)) for name in ("zero3_offload", "zero3_nvme")),
     *(Technique(name, "fsdp", f"{name}.yaml", **_launch(name)) for name in ("fsdp", "fsdp_offload")),
     # recipes/qlora.py checkpoints the blocks unless --no_gradient_checkpointing
     Technique("qlora_8bit", "qlora", None, precision="bf16", load_in="8bit", checkpointing=True,
@@ -1133,13 +1143,23 @@ def predict_cpu_run(spec: ModelSpec, tech: Technique, precision: str, num_proces
 # ---------------------------------------------------------------- the command line
 
 
-def parse_bytes(text: str) -> float:
+def parse_bytes(text: str, binary: bool = False) -> float:
+    """A size as written: KiB / MiB / GiB / TiB are powers of 2; KB / MB / GB / TB are powers of 10 unless `binary`,
+    where they are read as the vendors and nvidia-smi mean them on a memory device: an "80GB" card holds 80 GiB
+    (nvidia-smi reports its capacity in MiB, 81,559 for an H100 80GB)."""
     m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
     if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 80GB, 24GiB, 512MB")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 80GB, 24GiB, 512MiB")
     value, unit = float(m.group(1)), (m.group(2) or "B").upper().rstrip("B") or "B"
     scale = {"B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    if binary and unit in "KMGT":
+        unit += "I"
     return value * scale[unit]
+
+
+def parse_memory(text: str) -> float:
+    """--gpu_memory, --reserve, --host_memory: GB read as GiB (parse_bytes' binary reading)."""
+    return parse_bytes(text, binary=True)
 
 
 def fmt(n: float) -> str:
@@ -1244,6 +1264,8 @@ def command(tech: Technique, precision: str, args: argparse.Namespace, extra: tu
         parts.append(f"--max_seq_length {args.seq_len}")
     if precision != "fp32" and "--mixed_precision" not in tech.args:
         parts.append(f"--mixed_precision {precision}")
+    if getattr(args, "weights_dtype", "fp32") != "fp32":  # the recipes' default is fp32 masters
+        parts.append(f"--weights_dtype {args.weights_dtype}")
     parts.extend(tech.args)
     if tech.hsdp:  # shards inside a node, replicas across the nodes
         parts.append(f"--dp_shard_size {args.gpus_per_node}")
@@ -1266,7 +1288,10 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
     # fp32 masters need it), or, for a recipe with its one precision, as loaded.
     free = ["bf16"] if spec.weight_bytes == 2 else ["fp32", "bf16"]
     facts = ModelFacts.of(spec)
+    refused_inputs = input_refusals(spec, args)
     for tech in search_space(spec, n, per_node):
+        if spec.weight_bytes == 2 and tech.name == "mixed_precision":
+            continue  # weights already 16-bit: --mixed_precision bf16 is the baseline's bf16 row, listed once
         for precision in ([tech.precision] if tech.precision else free):
             if tech.sharding != "ddp" and n == 1 and tech.offload == "none":
                 continue  # sharding over one device divides nothing
@@ -1287,6 +1312,7 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
                 why.append(NO_RECIPE + _no_recipe_reason(tech))
             if tech.recipe in rules.RECIPES:  # the recipe's own start-up check: a command it would refuse is no plan
                 why += [CANNOT + r for r in _refusals(tech, precision, n, spec.task, args.seq_len, facts)]
+                why += [CANNOT + r for r in refused_inputs]
             if pred.device_peak > usable:
                 big = max((("weights", pred.weights), ("gradients", pred.grads), ("optimizer state", pred.optimizer),
                            ("activations", pred.activations), ("buffers", pred.buffers)), key=lambda kv: kv[1])
@@ -1299,6 +1325,16 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
                 why.append(f"needs {fmt(pred.nvme * per_node)} on NVMe, {fmt(args.nvme_memory)} available")
             rows.append((pred, why))
     return rows
+
+
+def input_refusals(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
+    """What every recipe refuses in the command's own values, whichever technique runs it (shared/core/models.py
+    check_positions): tokens past the position embeddings would crash the first forward."""
+    out = []
+    if spec.max_positions and spec.seq_tokens is None and args.seq_len > spec.max_positions:
+        out.append(f"--max_seq_length {args.seq_len} exceeds the model's {spec.max_positions} positions (every recipe "
+                   f"refuses it at start-up). Fix: --seq_len {spec.max_positions} or less")
+    return out
 
 
 def short_reason(text: str, limit: int = 100) -> str:
@@ -1423,13 +1459,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_labels", type=int, default=None)
     p.add_argument("--num_gpus", type=int, default=1, help="Devices (processes) in total.")
     p.add_argument("--gpus_per_node", type=int, default=None, help="Default: --num_gpus (one node).")
-    p.add_argument("--gpu_memory", type=parse_bytes, default=parse_bytes("80GB"), help="Per device, e.g. 80GB.")
-    p.add_argument("--reserve", type=parse_bytes, default=parse_bytes("1GiB"),
-                   help="Per device, not available to tensors: CUDA context, allocator fragmentation.")
-    p.add_argument("--host_memory", type=parse_bytes, default=None, help="Per node; unset: not checked.")
-    p.add_argument("--nvme_memory", type=parse_bytes, default=None, help="Per node; unset: not checked.")
-    p.add_argument("--runtime_memory", type=parse_bytes, default=CPU_RUNTIME_BYTES,
+    p.add_argument("--gpu_memory", type=parse_memory, default=parse_memory("80GB"),
+                   help="Per device, the card's capacity as sold and as nvidia-smi shows it: 80GB and 80GiB are both "
+                        "read as 80 GiB (2^30 bytes each; an H100 80GB reports 81,559 MiB). MB / MiB, TB / TiB alike.")
+    p.add_argument("--reserve", type=parse_memory, default=parse_memory("1GiB"),
+                   help="Per device, not available to tensors: CUDA context, allocator fragmentation (GB = GiB).")
+    p.add_argument("--host_memory", type=parse_memory, default=None,
+                   help="Per node, as `free -g` shows it (GB = GiB); unset: not checked.")
+    p.add_argument("--nvme_memory", type=parse_bytes, default=None,
+                   help="Per node, as drives are sold: 1TB = 10^12 bytes (TiB: 2^40); unset: not checked.")
+    p.add_argument("--runtime_memory", type=parse_memory, default=CPU_RUNTIME_BYTES,
                    help="Host memory of one training process before any model state (Python, torch, data).")
+    p.add_argument("--weights_dtype", default="fp32", choices=("fp32", "bf16", "auto"),
+                   help="The recipes' --weights_dtype (issue 33): fp32 (default) loads a 16-bit checkpoint as fp32 "
+                        "master weights, trained under bf16 autocast with --mixed_precision bf16; bf16 trains the "
+                        "weights in bf16 with no fp32 masters (and bf16 AdamW moments); auto: the checkpoint's dtype.")
     p.add_argument("--seq_len", type=int, default=512)
     p.add_argument("--per_device_batch_size", type=int, default=8)
     p.add_argument("--lora_r", type=int, default=8)
@@ -1463,7 +1507,15 @@ def resolve(argv: list[str] | None, prog: str = "python -m shared.tools.plan") -
         raise SystemExit(f"--gpu_memory {fmt(args.gpu_memory)} leaves nothing after --reserve {fmt(args.reserve)}.")
     config, args.task, source = load_config(args.model_name_or_path, args.model_preset, args.task, args.vocab_size,
                                             args.num_labels, args.trust_remote_code)
-    return args, model_spec(config, args.task, source, args.disable_dropout)
+    return args, with_weights_dtype(model_spec(config, args.task, source, args.disable_dropout), args.weights_dtype)
+
+
+def with_weights_dtype(spec: ModelSpec, weights_dtype: str) -> ModelSpec:
+    """The spec as the recipes' --weights_dtype loads it: fp32 masters, bf16, or the checkpoint's own dtype (auto)."""
+    import dataclasses
+
+    bytes_ = {"fp32": 4, "bf16": 2}.get(weights_dtype, spec.checkpoint_bytes)
+    return dataclasses.replace(spec, weight_bytes=bytes_, weights_dtype=weights_dtype)
 
 
 def main(argv: list[str] | None = None) -> list[tuple[Prediction, list[str]]]:
@@ -1483,7 +1535,10 @@ def main(argv: list[str] | None = None) -> list[tuple[Prediction, list[str]]]:
     adapters = [p for p, _ in fits if p.technique.adapters]
     _print_fits(f"Fits, LoRA / QLoRA adapters on a frozen base ({len(adapters)}), fastest first:", adapters, args)
     _print_unfit(rows, args)
-    if not fits:
+    refused = input_refusals(spec, args)
+    if refused:  # no change of batch, GPUs or technique makes the command acceptable
+        print(f"\nNo command: {refused[0]}.")
+    elif not fits:
         nearest = nearest_fits(spec, args)
         if nearest:
             print("\nNothing fits as asked. The nearest configurations that fit, and the change each needs:")
@@ -1523,9 +1578,12 @@ def _print_header(spec: ModelSpec, args: argparse.Namespace) -> None:
           + (f", {args.gpus_per_node} per node" if args.gpus_per_node != args.num_gpus else "")
           + f"; batch {args.per_device_batch_size} x {seq} tokens per device; kernels: {args.kernels}")
     if spec.weight_bytes == 2:
-        print("weights: published in 16 bits and loaded so (from_pretrained's dtype='auto'): DDP, tensor-parallel "
-              "and FSDP-without-mixed-precision rows train them in bf16 with no fp32 master copy (AdamW's moments "
-              "in bf16 too); FSDP with --mixed_precision bf16 and DeepSpeed keep fp32 masters")
+        print(f"weights: --weights_dtype {spec.weights_dtype}: trained in bf16 with no fp32 master copy (AdamW's "
+              "moments in bf16 too) on DDP, tensor-parallel and FSDP-without-mixed-precision rows; FSDP with "
+              "--mixed_precision bf16 and DeepSpeed keep fp32 masters")
+    elif spec.checkpoint_bytes == 2:
+        print(f"weights: published in 16 bits, loaded as fp32 master weights (--weights_dtype {spec.weights_dtype}); "
+              "the bf16 rows train them under bf16 autocast. --weights_dtype bf16: no fp32 masters")
     if spec.max_positions and spec.seq_tokens is None and args.seq_len > spec.max_positions:
         print(f"WARNING: --seq_len {args.seq_len} exceeds the model's {spec.max_positions} positions: the recipes "
               f"refuse it (pass --seq_len {spec.max_positions} or less)")
@@ -1587,7 +1645,10 @@ def _print_unfit(rows: list[tuple[Prediction, list[str]]], args: argparse.Namesp
         groups.setdefault(short_reason(next(w for w in why if w.startswith(CANNOT))), []).append(pred.row)
     for reason, names in groups.items():
         print(f"  {CANNOT}{reason}:")
-        print(textwrap.fill(", ".join(names), width=118, initial_indent="      ", subsequent_indent="      "))
+        many = args.top and len(names) > 3 * args.top  # a refusal of (nearly) every row: a few names and the count
+        listed = ", ".join(names[:args.top] if many else names) + (f" and {len(names) - args.top} more (--top 0: "
+                                                                   "all)" if many else "")
+        print(textwrap.fill(listed, width=118, initial_indent="      ", subsequent_indent="      "))
     if pending:
         print(f"\nModelled, no recipe in this checkout ({len(pending)}): no command to print")
         for pred, why in pending:
