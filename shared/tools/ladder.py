@@ -16,7 +16,6 @@ from .plan import (
     ModelSpec,
     Prediction,
     Technique,
-    activation_bytes,
     fmt,
     predict,
     resolve,
@@ -101,7 +100,8 @@ def technique(flags: dict[str, str], config: str | None) -> tuple[Technique, str
         "ladder", "combined", config, checkpointing="--gradient_checkpointing" in flags, optimizer=optim,
         load_in=flags.get("--load_in", "full"), lora="--lora" in flags,
         loss_chunk=int(flags.get("--loss_chunk_size", 1024)) if "--chunked_loss" in flags else 0,
-        act_offload=flags.get(OFFLOAD_FLAG, ""), **launch)
+        act_offload=flags.get(OFFLOAD_FLAG, ""), selective=flags.get("--checkpointing_policy") == "selective",
+        compile="--torch_compile" in flags, **launch)
     return tech, "bf16" if flags.get("--mixed_precision") == "bf16" else "fp32"
 
 
@@ -128,13 +128,7 @@ def predict_rung(spec: ModelSpec, flags: dict[str, str], config: str | None, bat
     the optimizer step in backward on top of a low-bit optimizer (each gradient freed once its parameter stepped)."""
     tech, precision = technique(flags, config)
     n = 2 if config else 1
-    p = predict(spec, tech, precision, n, batch, seq, kernels=kernels, lora_r=lora_r)
-    if tech.checkpointing and flags.get("--checkpointing_policy") == "selective":
-        kw = dict(kernels=kernels, loss_chunk=tech.loss_chunk)
-        full = activation_bytes(spec, batch, seq, precision, True, **kw)
-        sel = activation_bytes(spec, batch, seq, precision, True, selective=True, **kw)
-        p.activations += sel.saved + sel.layer - full.saved - full.layer
-        p.recompute = 0.3
+    p = predict(spec, tech, precision, n, batch, seq, kernels=kernels, lora_r=lora_r)  # the selective policy too
     trainable = spec.tensor_numels
     if tech.adapters:
         trainable = [lora_r * d for i, o in [*spec.lora_targets, *spec.lora_param_targets] for d in (i, o)]
@@ -142,7 +136,10 @@ def predict_rung(spec: ModelSpec, flags: dict[str, str], config: str | None, bat
         if tech.optimizer in TORCHAO_STATES:  # predict() gives the adapters torch AdamW's state
             p.optimizer = torchao_adam_state_bytes(trainable, tech.optimizer)
     if "--optimizer_in_backward" in flags:  # at most one parameter's gradient alive
-        p.grads = 4 * max(trainable)
+        wt = spec.weight_bytes if not tech.adapters else 4
+        p.grads = wt * max(trainable)
+        if tech.optimizer == "adamw" and not config and kernels == "cuda":  # one parameter steps at a time: no
+            p.buffers -= wt * spec.num_params  # foreach temporaries over the whole model (predict's AdamW buffer)
         p.notes.append("optimizer step in backward: one parameter's gradient at a time")
     return p
 

@@ -320,8 +320,8 @@ def model_spec(config, task: str, name: str, disable_dropout: bool = False) -> M
         expert_numel=expert_numel,
         layer_expert_numel=sum(p.numel() for n, p in block.named_parameters() if n.startswith("mlp.experts.")),
         # GPT-2, BERT and ViT split by shared/techniques/tensor_parallel.py's PLANS, whatever their config ships
-        weight_bytes=_dtype_bytes(cfg), checkpoint_bytes=_dtype_bytes(cfg), tp_split_numel=-1 if family in ("bert", "gpt2", "vit") else _own_tp_split(
-            model, cfg),
+        weight_bytes=_dtype_bytes(cfg), checkpoint_bytes=_dtype_bytes(cfg),
+        tp_split_numel=-1 if family in ("bert", "gpt2", "vit") else _own_tp_split(model, cfg),
         logit_transform=f"final_logit_softcapping={softcap:g}" if softcap else "",
         max_positions=getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None) or 0,
         lora_param_targets=param_targets,
@@ -610,6 +610,18 @@ class Recompute:
                 + (("--checkpointing_policy", "selective") if self.selective else ()))
 
 
+def compile_saving(spec: ModelSpec, batch: int, seq: int | None, mode: str, checkpointing: bool) -> float:
+    """Bytes torch.compile (inductor) keeps out of the saved activations, a stated adjustment: in every block not
+    checkpointed, each RMSNorm saves its input and rstd, not the fp32 copy eager keeps (4 E h), and the fused SiLU x up
+    saves its inputs and output, not SiLU's own output (E I in the matmuls' dtype). Decoders only; checkpointed blocks
+    keep their input alone either way. Against torchtune's Llama 3.2 3B table (+ Compile: -9.0 GiB): 0.97x."""
+    if spec.family != "decoder" or checkpointing or spec.experts:
+        return 0.0
+    e = batch * (spec.seq_tokens or seq or 0)
+    lin_b = 4 if mode == "fp32" else 2
+    return spec.layers * (spec.norms_per_layer * 4 * e * spec.hidden + e * spec.intermediate * lin_b)
+
+
 # Selective checkpointing recomputes LayerNorm, GELU, adds and reshapes, not the matmuls: a prior for its extra step
 # time as a share of full checkpointing's, from one noisy BERT-base reading (x1.10 vs x1.36 on a shared 2-core CPU);
 # not yet measured on a quiet machine or a GPU (docs/checkpointing.md).
@@ -705,6 +717,9 @@ class Technique:
     ep: bool = False  # expert parallel: each process holds experts/N whole experts, the dense weights FSDP2-sharded
     hsdp: bool = False  # hybrid sharding: FSDP within a node, replicas across nodes
     act_offload: str = ""  # all | checkpointed: saved activations moved to the host (recipes/activation_offloading.py)
+    selective: bool = False  # with checkpointing: --checkpointing_policy selective (keep matmul and attention outputs)
+    compile: bool = False  # --torch_compile regional: inductor fuses the elementwise ops (compile_saving)
+    paged: bool = False  # bitsandbytes' PagedAdamW8bit (--paged): the 8-bit state in CUDA unified memory
 
     @property
     def adapters(self) -> bool:
@@ -737,7 +752,14 @@ TECHNIQUES: list[Technique] = [
     Technique("baseline", "baseline", None),
     Technique("mixed_precision", "mixed_precision", None, precision="bf16", args=("--mixed_precision", "bf16")),
     Technique("activation_checkpointing", "activation_checkpointing", None, checkpointing=True),
+    # torch.compile through Accelerate (--torch_compile regional), in the recipes that compile (rules.py `compiles`);
+    # its saving is a stated adjustment (compile_saving), its speed a prior from torchtune's table (x0.79)
+    Technique("baseline_compiled", "baseline", None, compile=True, args=("--torch_compile", "regional"), speed=0.8),
+    Technique("activation_checkpointing_compiled", "activation_checkpointing", None, checkpointing=True, compile=True,
+              args=("--torch_compile", "regional"), speed=0.8),
     Technique("optim_8bit", "optim_8bit", None, optimizer="adamw_bnb_8bit"),
+    # PagedAdamW8bit: the state in CUDA unified memory, outside torch's allocator, paged to the host under pressure
+    Technique("optim_8bit_paged", "optim_8bit", None, optimizer="adamw_bnb_8bit", paged=True, args=("--paged",)),
     Technique("optim_4bit", "optim_low_bit", None, optimizer="adamw_torchao_4bit",
               args=("--optim", "adamw_torchao_4bit")),
     Technique("optim_fp8", "optim_low_bit", None, optimizer="adamw_torchao_fp8", args=("--optim", "adamw_torchao_fp8")),
@@ -779,7 +801,7 @@ def _signature(t: Technique) -> tuple:
     """What a row does to memory, whichever recipe runs it: a combination a single-technique row already shows is
     planned once, as that row (its recipe teaches the one technique)."""
     return (t.sharding, t.offload, t.offload_params, t.checkpointing, t.optimizer, t.load_in, t.adapters, t.dora,
-            bool(t.loss_chunk), t.splits_sequence, t.tp, t.ep, t.hsdp, t.act_offload)
+            bool(t.loss_chunk), t.splits_sequence, t.tp, t.ep, t.hsdp, t.act_offload, t.selective, t.compile, t.paged)
 
 
 def combined_techniques() -> list[Technique]:
@@ -792,15 +814,17 @@ def combined_techniques() -> list[Technique]:
             if adapter and conf.get("offload") and not conf.get("offload_params"):
                 continue  # offloading the adapters' few optimizer states moves nothing that matters
             for optim in ("adamw", "adamw_bnb_8bit") if not adapter else ("adamw",):
-                for ckpt in (False, True):
+                for ckpt in (False, True, "selective") if not adapter else (False, True):
                     for chunked in (False, True):
                         sharded = conf["sharding"] in ("zero3", "fsdp")
                         storage = "bfloat16" if adapter == "4bit" and sharded else "uint8"
                         name = "+".join(part for part, on in (
-                            (launch, True), ("ckpt", ckpt), ("adam8", optim != "adamw"),
+                            (launch, True), ("sel_ckpt" if ckpt == "selective" else "ckpt", bool(ckpt)),
+                            ("adam8", optim != "adamw"),
                             ({"lora": "lora", "4bit": "qlora4", "8bit": "qlora8"}.get(adapter, ""), bool(adapter)),
                             ("chunked", chunked)) if on)
                         args = [*(("--gradient_checkpointing",) if ckpt else ()),
+                                *(("--checkpointing_policy", "selective") if ckpt == "selective" else ()),
                                 *(("--optim", optim) if optim != "adamw" else ()),
                                 *(("--lora",) if adapter else ()),
                                 *(("--load_in", adapter) if adapter in ("4bit", "8bit") else ()),
@@ -809,7 +833,7 @@ def combined_techniques() -> list[Technique]:
                         speed = conf.get("speed", 1.0) * ADAPTER_SPEED.get(adapter, 1.0)
                         tech = Technique(name, "combined", conf["config"], **_launch(launch) | {"speed": speed},
                                          precision="bf16" if adapter in ("4bit", "8bit") else None,
-                                         checkpointing=ckpt, optimizer=optim,
+                                         checkpointing=bool(ckpt), selective=ckpt == "selective", optimizer=optim,
                                          load_in=adapter if adapter in ("4bit", "8bit") else "full",
                                          lora=adapter == "lora", quant_storage=storage,
                                          loss_chunk=1024 if chunked else 0, args=tuple(args))
@@ -980,7 +1004,15 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
         p.extra_speed = 1 + spec.head_weight_numel / (3 * spec.active_params)
     act = (sequence_parallel_activations(spec, batch, seq, n, precision, kernels, weights16) if tech.splits_sequence
            else activation_bytes(spec, batch, seq, precision, tech.checkpointing, kernels, loss_chunk=tech.loss_chunk,
-                                 tp=tp, weights16=weights16))
+                                 tp=tp, weights16=weights16, selective=tech.selective))
+    if tech.selective:
+        p.recompute = SELECTIVE_RECOMPUTE
+    if tech.compile:
+        saved = compile_saving(spec, batch, seq, "bf16" if weights16 else ("autocast" if half else "fp32"),
+                               tech.checkpointing)
+        act = Activations(act.saved - saved, act.layer, act.transient, act.weight_copies)
+        p.notes.append("torch.compile: a stated adjustment, not a measurement here: inductor's fused RMSNorm and SiLU "
+                       "save neither the norm's fp32 copy nor SiLU's output (decoders; docs/planner.md)")
 
     if tech.adapters:  # LoRA / QLoRA: a frozen base, the adapters (and a new head) trained in fp32
         # each adapter is two tensors, A (r x in) and B (out x r)
@@ -1090,6 +1122,12 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
             p.optimizer = adam_state_bytes(numels, eight_bit=eight, dtype_bytes=wt) / parts
         if tech.optimizer == "adamw_in_backward":  # each gradient is freed in its hook once its parameter has stepped
             p.grads = wt * max(numels)
+        if tech.paged:  # cudaMallocManaged: on the device while it has room, paged out to the host under pressure
+            p.host += p.optimizer
+            p.optimizer = 0.0
+            p.notes.append("paged 8-bit AdamW: its state is in CUDA unified memory, outside torch's allocator "
+                           "(torch.cuda.max_memory_allocated does not see it); counted on the host, where it goes "
+                           "when the device is full; it costs PCIe time then")
         p.activations = act.saved
         if fsdp:  # FSDP gathers a block (and prefetches the next) in the compute dtype; EP's experts stay local
             unit = (max(spec.layer_params - spec.layer_expert_numel, spec.vocab * spec.hidden) if tech.ep
@@ -1243,6 +1281,7 @@ def compat_run(tech: Technique, precision: str, num_processes: int, task: str = 
                      optimizer=tech.optimizer, task=task, seq_len=seq_len,
                      packing="concat" if task == "causal-lm" else "none", tensor_parallel_size=max(0, tech.tp),
                      chunked_loss=bool(tech.loss_chunk), activation_offload=tech.act_offload,
+                     compile="regional" if tech.compile else "none",
                      flags=flags if tech.recipe == "combined" else {}, **built)
 
 
@@ -1313,6 +1352,9 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
             if tech.recipe in rules.RECIPES:  # the recipe's own start-up check: a command it would refuse is no plan
                 why += [CANNOT + r for r in _refusals(tech, precision, n, spec.task, args.seq_len, facts)]
                 why += [CANNOT + r for r in refused_inputs]
+                if tech.paged and args.kernels != "cuda":
+                    why.append(CANNOT + "--paged needs a CUDA device (unified memory); recipes/optim_8bit.py refuses "
+                               "it elsewhere. Fix: drop --paged (plain AdamW8bit holds the same state on the device)")
             if pred.device_peak > usable:
                 big = max((("weights", pred.weights), ("gradients", pred.grads), ("optimizer state", pred.optimizer),
                            ("activations", pred.activations), ("buffers", pred.buffers)), key=lambda kv: kv[1])
