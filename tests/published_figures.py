@@ -305,7 +305,9 @@ def _hf_loss(p: plan.Prediction) -> list[tuple[str, float]]:
 
 
 def _tune(name: str, steps: tuple[str, ...], gib: float, notes: Callable[[plan.Prediction], list]) -> Figure:
-    return Figure(name, TORCHTUNE, "recipes/combined.py --weights_dtype bf16 " + " ".join(
+    compiled = " (combined.py does not compile: --torch_compile is the planner's stated adjustment)" if (
+        "compile" in steps) else ""
+    return Figure(name, TORCHTUNE, f"recipes/combined.py flags{compiled}: --weights_dtype bf16 " + " ".join(
         f"{k} {v}".strip() for k, v in tune_flags(*steps).items() if k not in ("--task", "--mixed_precision",
                                                                                "--weights_dtype")),
                   lambda: gib * GiB, lambda: tune_row(*steps).device_peak, lambda: notes(tune_row(*steps)),
