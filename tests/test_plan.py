@@ -869,4 +869,4 @@ def test_moe_and_multi_node_layouts(capsys):
     assert [p for p, why in rows if not why and p.technique.adapters]
     assert "No full fine-tuning fits as asked (the adapters above do)" in out
     more = re.search(r"(\d+) GPUs instead of 8 \((\S+)\): ([\d.]+) GiB per device", out)
-    assert more and int(more[1]) > 8 and float(more[3]) * 2**30 <= plan.parse_bytes("80GB") - 2**30, out
+    assert more and int(more[1]) > 8 and float(more[3]) * 2**30 <= plan.parse_memory("80GB") - 2**30, out
