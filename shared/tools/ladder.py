@@ -187,8 +187,9 @@ def print_ladder(spec: ModelSpec, args: argparse.Namespace) -> None:
               f"{fmt(p.activations):>10}{fmt(p.buffers):>10}{fmt(p.device_peak):>11}{p.speed:>7.2f}  {fits}")
     print("weights + grads + optim + activ + buffers = peak (buffers: the optimizer's temporaries, the logits at the "
           "loss, gathered shards)")
-    print("Run a rung: accelerate launch [--config_file accelerate_configs/<config>] recipes/combined.py <its flags>;"
-          " measured on CPU: benchmarks/ladder.py (docs/ladder.md)")
+    dtype = f" --weights_dtype {spec.weights_dtype}" if spec.weights_dtype not in ("fp32", "auto") else ""
+    print("Run a rung: accelerate launch [--config_file accelerate_configs/<config>] recipes/combined.py <its flags>"
+          f"{dtype}; measured on CPU: benchmarks/ladder.py (docs/ladder.md)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1718,7 +1718,9 @@ def explain(rows: list[tuple[Prediction, list[str]]], row: str, args: argparse.N
         for label, value in (("weights", pred.weights), ("gradients", pred.grads), ("optimizer state",
                              pred.optimizer), ("activations", pred.activations), ("buffers", pred.buffers)):
             print(f"  {label:<16}{fmt(value):>12}")
-        print(f"  {'peak per device':<16}{fmt(pred.device_peak):>12}  of {fmt(usable)} usable")
+        print(f"  {'peak per device':<16}{fmt(pred.device_peak):>12}  of {fmt(usable)} usable (the sum of the "
+              "terms: an upper bound, as backward frees activations while gradients appear and the optimizer's "
+              "temporaries come after both)")
         host = fmt(pred.host + args.runtime_memory)
         print(f"  {'host per process':<16}{host:>12}  (runtime {fmt(args.runtime_memory)} included)"
               + (f"; NVMe {fmt(pred.nvme)}" if pred.nvme else ""))
