@@ -795,6 +795,13 @@ def test_refused_seq_len_lists_nothing_runnable(capsys):
     rows = plan.main(["--task", "causal-lm", "--model_preset", "tiny", "--seq_len", "128", "--kernels", "cpu"])
     capsys.readouterr()
     assert any(not why for _, why in rows)  # at the limit: runnable
+    # the same class, by the recipes' own checks: a bidirectional encoder as a causal LM, no room for text
+    for argv, says in ((["--model_name_or_path", "bert-base-uncased", "--task", "causal-lm"], "bidirectional"),
+                       (["--task", "text-classification", "--seq_len", "3", "--kernels", "cpu"], "least that trains")):
+        rows = plan.main(argv)
+        out = capsys.readouterr().out
+        assert rows and not any(not why for _, why in rows) and "accelerate launch" not in out
+        assert says in out.split("No command:")[1], out[-1500:]
 
 
 def test_checkpoint_every_that_saves_nothing_is_never_chosen():

@@ -1372,6 +1372,8 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
 def input_refusals(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
     """What every recipe refuses in the command's own values, whichever technique runs it (shared/core/models.py
     check_positions): tokens past the position embeddings would crash the first forward."""
+    if getattr(args, "refused_inputs", None) is not None:  # resolve() ran the recipes' own checks
+        return list(args.refused_inputs)
     out = []
     if spec.max_positions and spec.seq_tokens is None and args.seq_len > spec.max_positions:
         out.append(f"--max_seq_length {args.seq_len} exceeds the model's {spec.max_positions} positions (every recipe "
@@ -1549,7 +1551,29 @@ def resolve(argv: list[str] | None, prog: str = "python -m shared.tools.plan") -
         raise SystemExit(f"--gpu_memory {fmt(args.gpu_memory)} leaves nothing after --reserve {fmt(args.reserve)}.")
     config, args.task, source = load_config(args.model_name_or_path, args.model_preset, args.task, args.vocab_size,
                                             args.num_labels, args.trust_remote_code)
+    args.refused_inputs = recipe_input_refusals(config, args.task, args.model_name_or_path or args.model_preset,
+                                                args.seq_len)
     return args, with_weights_dtype(model_spec(config, args.task, source, args.disable_dropout), args.weights_dtype)
+
+
+def recipe_input_refusals(config, task: str, name: str, seq_len: int) -> list[str]:
+    """What every recipe refuses in the model and the command's own values before any work, by the recipes' own
+    checks (shared/core/models.py, shared/core/datacheck.py): tokens past the position embeddings, a bidirectional
+    encoder as a causal LM, a sequence with no room for text (the tokenizer's special tokens come on top)."""
+    from ..core import datacheck
+    from ..core.errors import InputError
+    from ..core.models import check_fits_task, check_positions
+
+    checks = [lambda: check_fits_task(config, task, name)]
+    if task != "image-classification":  # images have fixed positions: --seq_len is not used
+        checks += [lambda: check_positions(config, seq_len), lambda: datacheck.check_seq_length(seq_len, 0, task)]
+    out = []
+    for check in checks:
+        try:
+            check()
+        except InputError as err:
+            out.append(f"{str(err).rstrip('.')} (every recipe refuses it at start-up)")
+    return out
 
 
 def with_weights_dtype(spec: ModelSpec, weights_dtype: str) -> ModelSpec:
@@ -1579,7 +1603,7 @@ def main(argv: list[str] | None = None) -> list[tuple[Prediction, list[str]]]:
     _print_unfit(rows, args)
     refused = input_refusals(spec, args)
     if refused:  # no change of batch, GPUs or technique makes the command acceptable
-        print(f"\nNo command: {refused[0]}.")
+        print(f"\nNo command: {refused[0]}")
     elif not fits:
         nearest = nearest_fits(spec, args)
         if nearest:
