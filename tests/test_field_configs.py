@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -224,7 +225,10 @@ def table(found: dict[str, str | None], edited: dict[str, str | None]) -> str:
              "| file | recipe | as published | fp16 edited to auto |", "|---|---|---|---|"]
     for name, recipe in CASES.items():
         def cell(message: str | None) -> str:
-            return "trains" if message is None else "refused: " + " ".join(message.split())[:220].replace("|", "/")
+            if message is None:
+                return "trains"
+            message = re.sub(r"/\S*/([^/\s]+\.(json|yaml))", r"\1", " ".join(message.split()))  # no tmp paths
+            return "refused: " + message.removeprefix("Refused before training: ")[:220].replace("|", "/")
         lines.append(f"| `{name}` | {recipe} | {cell(found[name])} | "
                      f"{cell(edited[name]) if edited[name] != found[name] else 'same'} |")
     return "\n".join(lines) + "\n"
