@@ -144,7 +144,8 @@ def test_a_setting_spelled_another_way_is_read_not_written_twice(tmp_path):
             user = {"zero_optimization": {"stage": 3, name: value}, "train_micro_batch_size_per_gpu": "auto"}
             json_file = tmp_path / "spelling.json"
             json_file.write_text(json.dumps(user))
-            config = resolve_deepspeed_config(parse_args(["--deepspeed_config", str(json_file)], add_deepspeed_args), zero_config(3))
+            args = parse_args(["--deepspeed_config", str(json_file)], add_deepspeed_args)
+            config = resolve_deepspeed_config(args, zero_config(3))
             zero = config["zero_optimization"]
             assert [k for k in zero if k in names] == [name], (name, zero)
             assert zero[name] is True
