@@ -33,6 +33,7 @@ from shared.techniques.deepspeed_setup import (
     patch_zero_step_to_count_states,
     resolve_deepspeed_config,
     schedule_the_optimizer_that_steps,
+    zero3_init,
     zero_config,
 )
 
@@ -62,7 +63,7 @@ def main(argv=None) -> dict:
     ds_config = resolve_deepspeed_config(args, ds_config)
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config,
                              # ZeRO-3: build the model under zero.Init, so no process ever holds all of it.
-                             zero3_init_flag=ds_config["zero_optimization"]["stage"] == 3)
+                             zero3_init_flag=zero3_init(ds_config))
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE, deepspeed_config=ds_config)
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run

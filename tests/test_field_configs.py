@@ -158,7 +158,7 @@ def counted(config: Path, recipe: str, out: Path, *args: str) -> tuple[dict, dic
            str(free_port()), str(ROOT / "tests" / "counted_run.py"), recipe, "--max_train_steps", "3",
            "--max_train_samples", "256", "--max_eval_samples", "32", "--report_to", "none", *args,
            "--output_dir", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((out / "results.json").read_text()), json.loads((out / "steps_0.json").read_text())

@@ -55,8 +55,9 @@ _FLAG_TYPES = {"max_grad_norm": float, "gradient_accumulation_steps": int, "per_
 
 def add_deepspeed_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--deepspeed_config", default=None,
-                       help="A DeepSpeed JSON; overrides the recipe's settings. Values set to \"auto\" are filled "
-                            "from the flags; explicit values must agree with the flags and the accelerate config.")
+                       help="A DeepSpeed JSON: its settings replace the recipe's (its optimizer and scheduler "
+                            "blocks run too). Values set to \"auto\" are filled from the flags; explicit values must "
+                            "agree with the flags and the accelerate config.")
     group.add_argument("--nvme_path", default=None,
                        help="Directory for NVMe offload (swap files go there; removed when the run ends).")
 
@@ -154,6 +155,15 @@ def zero_config(stage: int, offload: str | None = None) -> dict:
     if stage == 3:
         zero["offload_param"] = {"device": offload}
     return config
+
+
+def zero3_init(ds_config: dict) -> bool:
+    """Build the model under zero.Init (partitioned as it is built, no process ever holds it all): under ZeRO-3,
+    unless the accelerate config says `zero3_init_flag: false`, which is honoured (the model is built whole, then
+    partitioned at prepare())."""
+    stated = os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_INIT")
+    stage3 = int(ds_config["zero_optimization"]["stage"]) == 3
+    return stage3 and (stated is None or stated.lower() in ("1", "true", "yes"))
 
 
 def launched_deepspeed_config(args: argparse.Namespace) -> dict | None:
