@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import quiet, rules, rundir
 from .args import FROM_SCRATCH_LR, PRETRAINED_LR
-from .errors import LaunchError, RecipeError
+from .errors import LaunchError, RecipeError, RunFinished
 from .fsdp_cpu import force_fsdp_on_cpu
 
 logger = logging.getLogger("recipes")
@@ -33,13 +33,19 @@ def entrypoint(main: Callable[..., dict | None]) -> Callable[..., dict | None]:
     and the launcher's failure summary, the last thing it prints, shows it as the reason the run stopped. A crash
     is recorded there with its traceback (torch's `record`). Without a launcher a refusal prints as usual."""
 
+    def finished_or_run(argv: list[str] | None) -> dict | None:
+        try:
+            return main(argv)
+        except RunFinished as done:  # written once: what the finished run wrote, left as it is
+            return done.results
+
     @functools.wraps(main)
     def run(argv: list[str] | None = None) -> dict | None:
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torch elastic in each child
         try:
             if not error_file:
-                return main(argv)
-            return record(main)(argv)
+                return finished_or_run(argv)
+            return record(finished_or_run)(argv)
         except RecipeError as exc:  # the message alone, as SystemExit(message) shows it; `raise` keeps the cause
             if not error_file:
                 raise SystemExit(str(exc)) from exc
