@@ -518,7 +518,9 @@ def _refuse_unknown_or_changed(path: Path, saved: dict, run: dict, explicit: set
                "sharding": f"resume under the launch config that wrote it ({saved['sharding']}); another sharding "
                            "reads other files (DDP: one model and optimizer; FSDP: DCP shards; ZeRO: per-stage "
                            "partitions), which neither Accelerate nor DeepSpeed converts in place"}
-        raise CheckpointError(f"{path} was written with another layout ({_described(layout)}): "
+        said = {"mixed_precision": "--mixed_precision", "sharding": "the launch config's sharding"}
+        raise CheckpointError(f"{path} was written with another layout (" + ", ".join(
+                              f"{said[k]} was {a!r}, now {b!r}" for k, (a, b) in layout.items()) + "): "
                               + "; ".join(fix[k] for k in layout) + ". To change it, start a new run from the "
                               "trained model (--model_name_or_path).")
     refused = [k for k in sorted(set(saved) | set(run)) if k not in APPLIED + LAYOUT + DEPENDS + FREE]
