@@ -271,3 +271,26 @@ def test_a_data_file_replaced_under_the_same_name_is_refused(tmp_path):
     said = str(exc.value.code)
     assert "was trained on other data: --train_file held 1 file(s)" in said and ", now 1 file(s)" in said, said
     assert "Resume with the data it was trained on" in said
+
+
+@pytest.mark.slow  # DeepSpeed, launched 4 times (one in-process DeepSpeed run per test process)
+def test_a_resume_on_another_sharding_or_precision_is_refused_before_loading(tmp_path):
+    """The fault trial's cases: a ZeRO-2 checkpoint resumed under ZeRO-3 (a bare AssertionError from DeepSpeed's
+    check_ckpt_list), ZeRO-2 fp32 -> bf16 (FileNotFoundError: bf16_zero_pp_rank_0_..._optim_states.pt). The
+    checkpoint records the sharding and the precision; another is refused before loading, naming both."""
+    from tests.conftest import launch
+
+    one = {"config": None, "launch_args": ("--num_processes", "1")}
+    args = ["--max_train_steps", 4, "--checkpointing_steps", 2, "--max_train_samples", 64, "--max_eval_samples", 16,
+            "--no_save_model"]
+    launch("zero", tmp_path / "run", *args, "--zero_stage", 2, **one)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    for change, words in ((["--zero_stage", 3], "the launch config's sharding was 'zero2', now 'zero3'"),
+                          (["--zero_stage", 1], "the launch config's sharding was 'zero2', now 'zero1'"),
+                          (["--zero_stage", 2, "--mixed_precision", "bf16"], "--mixed_precision was 'no', now 'bf16'")):
+        proc = launch("zero", tmp_path / "out", *args, *change, "--resume_from_checkpoint", ckpt, expect_fail=True,
+                      **one)
+        said = proc.stdout + proc.stderr
+        assert words in said and "was written with another layout" in said, said[-3000:]
+        assert "AssertionError" not in said and "FileNotFoundError" not in said, said[-3000:]
+    assert not (tmp_path / "out" / "results.json").exists()
