@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import quiet, rules, rundir
 from .args import FROM_SCRATCH_LR, PRETRAINED_LR
-from .errors import LaunchError, RecipeError, RunFinished
+from .errors import CheckpointError, LaunchError, RecipeError, RunFinished
 from .fsdp_cpu import force_fsdp_on_cpu
 
 logger = logging.getLogger("recipes")
@@ -301,7 +301,12 @@ def start_run(accelerator: Accelerator, launch: Launch) -> None:
     if launch.log_with:
         config = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                   for k, v in {**vars(args), **launch.resolved()}.items()}
-        accelerator.init_trackers(run.recipe, config=config)
+        try:
+            accelerator.init_trackers(run.recipe, config=config)
+        except OSError as err:  # a full disk (ENOSPC), a read-only one: named before any step
+            raise CheckpointError(f"--report_to {args.report_to}: the trackers could not start writing in "
+                                  f"{launch.output_dir} ({err.strerror or err}: {err.filename}). Free space there "
+                                  "or make it writable, pass another --output_dir, or --report_to none.") from None
     logger.info(
         "%s: task=%s distributed_type=%s processes=%d device=%s mixed_precision=%s output_dir=%s",
         run.recipe, args.task, accelerator.distributed_type.value, accelerator.num_processes,

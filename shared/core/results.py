@@ -56,6 +56,7 @@ def collect_results(accelerator, launch: Launch, task, meter, metrics: dict, ext
     the flags as typed and the values the launch resolved from them."""
     from .checkpoint import lineage, resume_changes
     from .flops import run_flops
+    from .meter import log_metrics
 
     args = launch.args
 
@@ -91,7 +92,7 @@ def collect_results(accelerator, launch: Launch, task, meter, metrics: dict, ext
         **meter.extras,
         **(extras or {}),
     }
-    accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}, step=meter.max_steps)
+    log_metrics(accelerator, {f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}, meter.max_steps)
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in results.items()}
 
 
