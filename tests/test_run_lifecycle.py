@@ -338,3 +338,19 @@ def test_a_disk_that_turns_read_only_mid_run_is_reported_and_named_not_a_crash(s
     assert "checkpoint step_00000004 could not be written under" in said and "Read-only file system" in said, said
     assert "earlier checkpoints are intact" in said
     assert verify_checkpoint(disk / "out" / "checkpoints" / "step_00000002") is None
+
+
+@pytest.mark.slow
+def test_sighup_to_a_two_process_launcher_saves_on_every_process(tmp_path):
+    """The second fault trial's case: SIGHUP to a 2-process `accelerate launch` (a closed terminal, an ssh drop)
+    killed the workers without a save. torch elastic forwards it to the workers, which now save like on SIGTERM."""
+    cmd, env = launch_command("baseline", tmp_path, *LONG, "--logging_steps", 2)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    _wait_for_checkpoint(tmp_path, proc)
+    os.kill(proc.pid, signal.SIGHUP)  # the launcher alone
+    output, _ = proc.communicate(timeout=180)
+    assert output.count("SIGHUP received: saved") == 2, output[-3000:]
+    from shared.core.checkpoint import verify_checkpoint
+
+    assert verify_checkpoint(sorted((tmp_path / "checkpoints").glob("step_*"))[-1]) is None
