@@ -1,7 +1,9 @@
 """Resumable checkpoints: Accelerate's full training state plus the step and data position, written atomically,
-verified by a manifest, and written on SIGTERM/SIGINT before the process exits. Pipeline stages, which no process
-holds whole, and DTensor models add their own state through save/load hooks (techniques/pipeline_stages.py
-checkpoint_per_process, techniques/tensor_parallel.py checkpoint_dtensors); the manifest covers what they write."""
+verified by a manifest (each process checksums what it wrote), and written on SIGTERM, SIGINT, SIGHUP or SIGUSR1
+before the process exits. A checkpoint records its run, the data's content, precision and sharding, and its branch
+of the run's lineage. Pipeline stages, which no process holds whole, and DTensor models add their own state through
+save/load hooks (techniques/pipeline_stages.py checkpoint_per_process, techniques/tensor_parallel.py
+checkpoint_dtensors); the manifest covers what they write."""
 
 from __future__ import annotations
 
@@ -432,7 +434,7 @@ class Preemption:
 def maybe_save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, max_steps: int,
                           writes=None) -> None:
     """Every --checkpointing_steps optimizer steps and at the last (`max_steps`, the recipe's). `writes`: the run's
-    AsyncCheckpoints under --async_checkpoint (written in the background, but the last). SIGTERM/SIGINT are the
+    AsyncCheckpoints under --async_checkpoint (written in the background, but the last). The signals are the
     recipe's own line (Preemption.check)."""
     every, last = launch.args.checkpointing_steps, step == max_steps
     if every and (step % every == 0 or last):
