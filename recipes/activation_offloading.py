@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
     offloader = ActivationOffloader(accelerator.unwrap_model(model), args.offload_mode, args.offload_min_bytes,
                                     args.offload_to, args.offload_dir)  # hooks on the model's blocks and inputs
     guard = DivergenceGuard(accelerator, launch, optimizer, max_steps)  # ends a diverging run, its state saved
-    preemption = Preemption(accelerator, launch, max_steps)  # SIGTERM/SIGINT: saved, then exits
+    preemption = Preemption(accelerator, launch, max_steps)  # SIGTERM, SIGINT, SIGHUP, SIGUSR1: saved, exits
 
     model.train()
     for step in meter.steps(start_step, max_steps):

@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
     stop_if_preflight(accelerator, launch, task, model, optimizer, max_steps)  # --preflight: print the run, stop
     meter = Meter(accelerator, launch, task, model, optimizer)
     guard = DivergenceGuard(accelerator, launch, optimizer, max_steps)  # ends a diverging run, its state saved
-    preemption = Preemption(accelerator, launch, max_steps)  # SIGTERM/SIGINT: saved, then exits
+    preemption = Preemption(accelerator, launch, max_steps)  # SIGTERM, SIGINT, SIGHUP, SIGUSR1: saved, exits
     chunked_loss = ChunkedLoss(args.loss_chunk_size, task=task,  # a mixture of experts: its router's loss is added
                                max_tokens=launch.per_device_train_batch_size * args.max_seq_length)
     measured, batches = chunked_loss.measure_first_batch(accelerator, model, batches)  # plain vs chunked bytes

@@ -71,7 +71,7 @@ def main(argv=None) -> dict:
     stop_if_preflight(accelerator, launch, task, model, optimizer, max_steps)  # --preflight: print the run, stop
     meter = Meter(accelerator, launch, task, model, optimizer)
     guard = DivergenceGuard(accelerator, launch, optimizer, max_steps)  # ends a diverging run, its state saved
-    preemption = Preemption(accelerator, launch, max_steps)  # SIGTERM/SIGINT: saved, then exits
+    preemption = Preemption(accelerator, launch, max_steps)  # SIGTERM, SIGINT, SIGHUP, SIGUSR1: saved, exits
 
     skipped = 0
     model.train()

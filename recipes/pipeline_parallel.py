@@ -128,7 +128,7 @@ def main(argv=None) -> dict:
     stop_if_preflight(accelerator, launch, task, stage, optimizer, max_steps)  # --preflight: print the run, stop
     meter = Meter(accelerator, launch, task, stage, optimizer)
     guard = DivergenceGuard(accelerator, launch, optimizer, max_steps)  # ends a diverging run, its state saved
-    preemption = Preemption(accelerator, launch, max_steps)  # SIGTERM/SIGINT: saved, then exits
+    preemption = Preemption(accelerator, launch, max_steps)  # SIGTERM, SIGINT, SIGHUP, SIGUSR1: saved, exits
 
     stage.train()
     for step in meter.steps(start_step, max_steps):

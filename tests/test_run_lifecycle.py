@@ -5,6 +5,7 @@ launched (shared/core/rundir.py, checkpoint.py, results.py; examples/supervise.p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -264,6 +265,92 @@ def test_the_supervisor_as_pid_1_forwards_and_exits_128_plus_signal(processes, t
     output, _ = proc.communicate(timeout=180)
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert output.count("SIGTERM received: saved") == processes, output[-3000:]  # each process saved its part
+    from shared.core.checkpoint import verify_checkpoint
+
+    assert verify_checkpoint(sorted((tmp_path / "checkpoints").glob("step_*"))[-1]) is None
+
+
+# ------------------------------------------------------------------------------------ the run's own files (issue 36)
+
+
+def test_an_output_path_too_long_for_the_filesystem_is_refused_at_the_start(tmp_path):
+    """The second fault trial's case: a component over 255 bytes, or a path near PATH_MAX, failed with
+    `OSError: [Errno 36]` (with --report_to none, after 2 steps, at the first checkpoint)."""
+    with pytest.raises(SystemExit, match=r"over the 255 a name may have there \(ENAMETOOLONG\). Pass a shorter"):
+        run_recipe("baseline", tmp_path / ("x" * 300), *SHORT, "--checkpointing_steps", 2)
+    deep = tmp_path.joinpath(*["d" * 250] * 16)  # 16 x 251 bytes: each part fits, the whole does not
+    with pytest.raises(SystemExit, match=r"would pass the 4096 a path may have there \(ENAMETOOLONG\)"):
+        run_recipe("baseline", deep, *SHORT, "--checkpointing_steps", 2)
+    assert list(tmp_path.iterdir()) == [], "nothing was created"
+
+
+def test_trackers_on_a_full_disk_are_refused_at_the_start(small_disk, tmp_path):
+    """The TensorBoard folder on a full disk: `OSError: [Errno 28]` in start_run. Now named, with the fixes."""
+    disk = small_disk(1 << 20)
+    (disk / "filler").write_bytes(b"\0" * ((1 << 20) - 4096))
+    with pytest.raises(SystemExit, match=r"--report_to tensorboard: the trackers could not start writing in .*"
+                                         r"No space left on device.*--report_to none"):
+        run_recipe("baseline", disk / "out", *SHORT, "--report_to", "tensorboard", "--no_save_model")
+
+
+def _at_step(monkeypatch, step: int, act) -> None:
+    """`act()` just before optimizer step `step` (1-based) is recorded."""
+    from shared.core.meter import Meter
+
+    record = Meter.record
+
+    def record_after(self, at, loss, batches):
+        if at + 1 == step:
+            act()
+        record(self, at, loss, batches)
+
+    monkeypatch.setattr(Meter, "record", record_after)
+
+
+def test_a_disk_that_turns_read_only_mid_run_is_reported_and_named_not_a_crash(small_disk, monkeypatch, tmp_path,
+                                                                               caplog):
+    """The second fault trial's case: the output folder remounted read-only mid-run; the run died in the TensorBoard
+    write at the next step (`OSError: [Errno 30]`). Now the tracker's failure is reported once and training goes on;
+    the next checkpoint, which cannot be written either, stops the run naming what happened and that the earlier
+    checkpoints are intact: no traceback."""
+    from shared.core.checkpoint import verify_checkpoint
+
+    disk = small_disk(64 << 20)
+
+    def remount_read_only() -> None:
+        # The tracker's open file first takes an fd that refuses writes, as on the remounted disk (a disk with a file
+        # open for writing cannot be remounted read-only); then the disk is.
+        ro = os.open(os.devnull, os.O_RDONLY)
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/self/fd/{fd}").startswith(str(disk)):
+                    os.dup2(ro, int(fd))
+        os.close(ro)
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+
+    _at_step(monkeypatch, 3, remount_read_only)
+    with caplog.at_level("ERROR", logger="recipes"), pytest.raises(SystemExit) as exc:
+        run_recipe("baseline", disk / "out", *SHORT[:1], 6, *SHORT[2:], "--checkpointing_steps", 2, "--report_to",
+                   "tensorboard", "--logging_steps", 1)
+    assert "the trackers (tensorboard) could not write at step 3" in caplog.text, caplog.text[-2000:]
+    assert "training goes on without them" in caplog.text and caplog.text.count("could not write at step") == 1
+    said = str(exc.value.code)
+    assert "checkpoint step_00000004 could not be written under" in said and "Read-only file system" in said, said
+    assert "earlier checkpoints are intact" in said
+    assert verify_checkpoint(disk / "out" / "checkpoints" / "step_00000002") is None
+
+
+@pytest.mark.slow
+def test_sighup_to_a_two_process_launcher_saves_on_every_process(tmp_path):
+    """The second fault trial's case: SIGHUP to a 2-process `accelerate launch` (a closed terminal, an ssh drop)
+    killed the workers without a save. torch elastic forwards it to the workers, which now save like on SIGTERM."""
+    cmd, env = launch_command("baseline", tmp_path, *LONG, "--logging_steps", 2)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    _wait_for_checkpoint(tmp_path, proc)
+    os.kill(proc.pid, signal.SIGHUP)  # the launcher alone
+    output, _ = proc.communicate(timeout=180)
+    assert output.count("SIGHUP received: saved") == 2, output[-3000:]
     from shared.core.checkpoint import verify_checkpoint
 
     assert verify_checkpoint(sorted((tmp_path / "checkpoints").glob("step_*"))[-1]) is None

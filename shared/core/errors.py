@@ -24,3 +24,12 @@ class CheckpointError(RecipeError):
 
 class TrainingError(RecipeError):
     """The run stopped itself while training (a diverging loss, a fault), its state saved where it could be."""
+
+
+class RunFinished(Exception):  # noqa: N818 (not an error)
+    """Not a refusal: the run asked for is finished already (a resume with nothing to train where results.json is
+    written, a torch elastic restart after it was). `launch.entrypoint` returns its `results`, exit code 0."""
+
+    def __init__(self, results: dict) -> None:
+        super().__init__("the run is finished")
+        self.results = results

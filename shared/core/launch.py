@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import quiet, rules, rundir
 from .args import FROM_SCRATCH_LR, PRETRAINED_LR
-from .errors import LaunchError, RecipeError
+from .errors import CheckpointError, LaunchError, RecipeError, RunFinished
 from .fsdp_launch import force_fsdp_on_cpu, fsdp_plugin_kwargs
 
 logger = logging.getLogger("recipes")
@@ -33,13 +33,19 @@ def entrypoint(main: Callable[..., dict | None]) -> Callable[..., dict | None]:
     and the launcher's failure summary, the last thing it prints, shows it as the reason the run stopped. A crash
     is recorded there with its traceback (torch's `record`). Without a launcher a refusal prints as usual."""
 
+    def finished_or_run(argv: list[str] | None) -> dict | None:
+        try:
+            return main(argv)
+        except RunFinished as done:  # written once: what the finished run wrote, left as it is
+            return done.results
+
     @functools.wraps(main)
     def run(argv: list[str] | None = None) -> dict | None:
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torch elastic in each child
         try:
             if not error_file:
-                return main(argv)
-            return record(main)(argv)
+                return finished_or_run(argv)
+            return record(finished_or_run)(argv)
         except RecipeError as exc:  # the message alone, as SystemExit(message) shows it; `raise` keeps the cause
             if not error_file:
                 raise SystemExit(str(exc)) from exc
@@ -295,7 +301,12 @@ def start_run(accelerator: Accelerator, launch: Launch) -> None:
     if launch.log_with:
         config = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                   for k, v in {**vars(args), **launch.resolved()}.items()}
-        accelerator.init_trackers(run.recipe, config=config)
+        try:
+            accelerator.init_trackers(run.recipe, config=config)
+        except OSError as err:  # a full disk (ENOSPC), a read-only one: named before any step
+            raise CheckpointError(f"--report_to {args.report_to}: the trackers could not start writing in "
+                                  f"{launch.output_dir} ({err.strerror or err}: {err.filename}). Free space there "
+                                  "or make it writable, pass another --output_dir, or --report_to none.") from None
     logger.info(
         "%s: task=%s distributed_type=%s processes=%d device=%s mixed_precision=%s output_dir=%s",
         run.recipe, args.task, accelerator.distributed_type.value, accelerator.num_processes,

@@ -4,6 +4,7 @@ with shared/core/measure.py). It measures only: ending a run is shared/core/guar
 from __future__ import annotations
 
 import json
+import logging
 import time
 import zlib
 from collections.abc import Iterator
@@ -24,6 +25,8 @@ from .measure import (
     state_bytes,
     stepping_optimizer,
 )
+
+logger = logging.getLogger("recipes")
 
 
 class Meter:
@@ -117,7 +120,7 @@ class Meter:
         total, *rest = self.accelerator.reduce(values, "sum").tolist()
         if aux:
             self.router_aux_loss = rest[0] / self.accelerator.num_processes
-            self.accelerator.log({"train/router_aux_loss": self.router_aux_loss}, step=step)
+            log_metrics(self.accelerator, {"train/router_aux_loss": self.router_aux_loss}, step)
         mean = total / self.accelerator.num_processes
         if self.initial_loss is None:
             self.initial_loss = self.window[0].item()
@@ -125,7 +128,7 @@ class Meter:
         self.last_loss = mean
         self.memory_trace.append(current_memory_bytes(self.accelerator.device))
         lr = self.optimizer.param_groups[0]["lr"]
-        self.accelerator.log({"train/loss": mean, "train/lr": lr}, step=step)
+        log_metrics(self.accelerator, {"train/loss": mean, "train/lr": lr}, step)
         self.bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}")
 
     def summary(self) -> dict[str, object]:
@@ -162,3 +165,16 @@ class Meter:
         }
         return self._summary
 
+
+
+def log_metrics(accelerator, values: dict, step: int) -> None:
+    """accelerator.log; a tracker that cannot write (a full or read-only disk, a remount) is reported once and
+    dropped, and training goes on: the losses stay in the console and results.json, and a checkpoint that cannot be
+    written says so itself."""
+    try:
+        accelerator.log(values, step=step)
+    except OSError as err:
+        logger.error("the trackers (%s) could not write at step %d (%s: %s %s): training goes on without them",
+                     ", ".join(str(getattr(t, "name", t)) for t in accelerator.trackers), step, type(err).__name__,
+                     err.strerror or err, err.filename or "")
+        accelerator.trackers = []

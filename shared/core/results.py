@@ -54,8 +54,9 @@ def finish(accelerator, launch: Launch, task, model: torch.nn.Module, eval_datal
 def collect_results(accelerator, launch: Launch, task, meter, metrics: dict, extras: dict | None = None) -> dict:
     """The results.json fields: the run, the meter's measurements (before saving adds to the memory peak), metrics;
     the flags as typed and the values the launch resolved from them."""
-    from .checkpoint import resume_changes
+    from .checkpoint import lineage, resume_changes
     from .flops import run_flops
+    from .meter import log_metrics
 
     args = launch.args
 
@@ -83,6 +84,7 @@ def collect_results(accelerator, launch: Launch, task, meter, metrics: dict, ext
         "explicit_flags": sorted(getattr(args, "explicit_flags", ())),  # what was typed
         "resolved": {**launch.resolved(), "max_train_steps": meter.max_steps},  # what ran
         "resume_changes": resume_changes(),  # what a resume changed from the checkpoint's run, applied
+        "lineage": lineage(),  # this run's branch, its parent's, and the step and checkpoint it started from
         **measured,
         **flops,  # model FLOPs per token and MFU (shared/core/flops.py); MFU only on a GPU in its peak table
         **metrics,
@@ -90,7 +92,7 @@ def collect_results(accelerator, launch: Launch, task, meter, metrics: dict, ext
         **meter.extras,
         **(extras or {}),
     }
-    accelerator.log({f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}, step=meter.max_steps)
+    log_metrics(accelerator, {f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}, meter.max_steps)
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in results.items()}
 
 

@@ -4,6 +4,7 @@ none of its files stay beside the new model), and a full disk is named, with the
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -82,9 +83,28 @@ def release() -> None:
         os.close(_held.popitem()[1])
 
 
+LONGEST = 160  # bytes a run adds under --output_dir: checkpoints/.tmp_step_N/pytorch_model_fsdp_0/__R_0.distcp, events
+
+
+def _exists(path: Path) -> bool:  # a name too long to look up (ENAMETOOLONG) is not there
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
 def check_writable(path: Path, output_dir: str) -> None:
-    """An output directory that cannot be written would fail at the first checkpoint, or after training."""
-    existing = next(p for p in (path, *path.parents) if p.exists())
+    """An output directory that cannot be written, or whose paths would be too long for the filesystem
+    (ENAMETOOLONG), would fail at the first checkpoint or log write, or after training."""
+    existing = next(p for p in (path, *path.parents) if _exists(p))
+    name_max, path_max = os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
+    long = next((part for part in path.parts if len(part.encode()) > name_max), None)
+    if long is not None or len(str(path).encode()) + LONGEST > path_max:
+        what = (f"its part {long[:40]}... has {len(long.encode())} bytes, over the {name_max} a name may have there"
+                if long is not None else f"it has {len(str(path).encode())} bytes, and the files a run writes under "
+                f"it would pass the {path_max} a path may have there")
+        raise CheckpointError(f"--output_dir {output_dir[:80]!r}...: {what} (ENAMETOOLONG). Pass a shorter "
+                              "--output_dir.")
     if not existing.is_dir():
         raise CheckpointError(f"--output_dir {output_dir!r}: {existing} is a file, not a directory. Pass another path.")
     try:
@@ -118,8 +138,12 @@ def check_room(path: Path, needed: int, what: str, then: str) -> None:
 
 def disk_full(err: BaseException, path: Path, what: str, then: str) -> SystemExit | None:
     """A failed save, said as a full disk where it was one (torch says `basic_ios::clear: iostream error` or
-    `file write failed`, safetensors `No space left on device`); None when it was not."""
+    `file write failed`, safetensors `No space left on device`), or as a disk that cannot be written (a read-only
+    remount, EIO); None when it was neither."""
     mount, free = _mount(Path(path).absolute())
+    if getattr(err, "errno", None) in (errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.ENAMETOOLONG):
+        return SystemExit(f"{what} could not be written under {path} ({err.strerror}: {err.filename}). Make "
+                          f"{mount} writable or pass another --output_dir; {then}")
     if getattr(err, "errno", None) != 28 and "No space left" not in str(err) and free > 2**20:
         return None
     return SystemExit(f"The disk holding {path} ({mount}) is full ({_mb(free)} free): {what} did not fit "

@@ -1,0 +1,124 @@
+"""The second fault trial (issue 36): a rollback starts a branch of the run that `latest` follows, whatever
+--save_total_limit prunes; results are written once per training (a resume with nothing to train, an elastic restart
+after the end); the signals of a closed terminal (SIGHUP) and of Slurm's warning (SIGUSR1) save like SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+
+import pytest
+
+from shared.core import checkpoint
+from tests.conftest import load_params, max_param_diff, run_recipe
+
+EIGHT = ["--max_train_steps", 8, "--checkpointing_steps", 2, "--max_train_samples", 64, "--max_eval_samples", 16,
+         "--logging_steps", 1]
+
+
+class Killed(BaseException):
+    """A kill -9 as this process sees it: nothing after the save runs (no handler, no final model)."""
+
+
+def _killed_after_save(monkeypatch, step: int) -> None:
+    save = checkpoint.save_checkpoint
+
+    def save_then_die(accelerator, launch, at, *args, **kwargs):
+        path = save(accelerator, launch, at, *args, **kwargs)
+        if at >= step:
+            raise Killed(path)
+        return path
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_die)
+
+
+def _signal_after_step(monkeypatch, step: int, signum: int) -> None:
+    from shared.core.meter import Meter
+
+    record = Meter.record
+
+    def record_then_signal(self, at, loss, batches):
+        record(self, at, loss, batches)
+        if at + 1 == step:
+            os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(Meter, "record", record_then_signal)
+
+
+def _branches(out) -> dict[str, int]:
+    return {p.name: json.loads((p / "trainer_state.json").read_text()).get("branch", 0)
+            for p in sorted((out / "checkpoints").glob("step_*"))}
+
+
+@pytest.mark.parametrize("limit", [None, 2])
+def test_a_rollback_then_a_crash_resumes_the_new_branch(limit, monkeypatch, tmp_path, caplog):
+    """docs/faults.md's loss-spike workflow: preempted at step 6 (lr 1e-3), resumed from step_2 with lr 5e-4, killed
+    after that branch's step_4. `latest` takes the new step_4 (not the abandoned step_6), and the run ends where an
+    uninterrupted run of the new branch does. With --save_total_limit 2 the rollback point step_2 is kept and the
+    abandoned step_6 goes."""
+    first = tmp_path / "first"
+    with monkeypatch.context() as m, pytest.raises(SystemExit):
+        _signal_after_step(m, 6, signal.SIGTERM)
+        run_recipe("baseline", first, *EIGHT)
+    assert sorted(_branches(first)) == ["step_00000002", "step_00000004", "step_00000006"]
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    shutil.copytree(first, out)
+    shutil.copytree(first, ref)
+    keep = ["--save_total_limit", limit] if limit else []
+    # The intended branch, never interrupted.
+    run_recipe("baseline", ref, *EIGHT, *keep, "--learning_rate", 5e-4, "--resume_from_checkpoint",
+               ref / "checkpoints" / "step_00000002")
+    with monkeypatch.context() as m, pytest.raises(Killed):
+        _killed_after_save(m, 4)
+        run_recipe("baseline", out, *EIGHT, *keep, "--learning_rate", 5e-4, "--resume_from_checkpoint",
+                   out / "checkpoints" / "step_00000002")
+    left = _branches(out)
+    if limit:
+        assert left == {"step_00000002": 0, "step_00000004": 1}, "the rollback point kept, the abandoned step gone"
+    else:
+        assert left == {"step_00000002": 0, "step_00000004": 1, "step_00000006": 0}
+    with caplog.at_level("INFO", logger="recipes"):
+        r = run_recipe("baseline", out, *EIGHT, *keep, "--learning_rate", 5e-4, "--resume_from_checkpoint", "latest")
+    assert r["resumed_from_step"] == 4 and r["resume_changes"] == {}
+    assert r["lineage"]["branch"] == 1 and r["lineage"]["parent"] == 0 and r["lineage"]["from_step"] == 2
+    assert "(branch 1)" in caplog.text
+    diff = max_param_diff(load_params(ref), load_params(out))
+    abandoned = max_param_diff(load_params(ref), load_params(first / "checkpoints" / "step_00000006"))
+    print(f"limit {limit}: resumed branch vs its uninterrupted run {diff:.1e}; vs the abandoned step_6 {abandoned:.1e}")
+    assert diff <= 1e-7 < abandoned
+    lineage = json.loads((out / "checkpoints" / "lineage.json").read_text())
+    assert [(b["branch"], b["parent"], b["from_step"]) for b in lineage] == [(0, None, None), (1, 0, 2)]
+    assert lineage[1]["changes"] == {"learning_rate": [1e-3, 5e-4]}
+
+
+def test_results_are_written_once_per_training(tmp_path, caplog):
+    """A resume of a finished run has nothing to train: results.json stays as the training wrote it (it was rewritten
+    with null losses and throughput)."""
+    short = ["--max_train_steps", 4, "--checkpointing_steps", 2, "--max_train_samples", 64, "--max_eval_samples", 16]
+    run_recipe("baseline", tmp_path, *short)
+    before = (tmp_path / "results.json").read_bytes()
+    weights = (tmp_path / "model.safetensors").stat().st_mtime_ns
+    with caplog.at_level("WARNING", logger="recipes"):
+        r = run_recipe("baseline", tmp_path, *short, "--resume_from_checkpoint", "latest")
+    assert "is finished" in caplog.text and "results are left as they are" in caplog.text
+    assert (tmp_path / "results.json").read_bytes() == before and r["train_loss"] is not None
+    assert (tmp_path / "model.safetensors").stat().st_mtime_ns == weights
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1])
+def test_sighup_and_sigusr1_save_like_sigterm(signum, monkeypatch, tmp_path):
+    """A closed terminal or dropped ssh session (SIGHUP) and Slurm's warning before the time limit (SIGUSR1) killed
+    a 1-process run without a save. Now: saved at the next step, exit 128 + the signal, and the resume is exact."""
+    short = ["--max_train_steps", 4, "--max_train_samples", 64, "--max_eval_samples", 16]
+    _signal_after_step(monkeypatch, 2, signum)
+    with pytest.raises(SystemExit) as exc:
+        run_recipe("baseline", tmp_path / "cut", *short)
+    assert exc.value.code == 128 + signum
+    assert [p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()] == ["step_00000002"]
+    monkeypatch.undo()
+    r = run_recipe("baseline", tmp_path / "cut", *short, "--resume_from_checkpoint", "latest")
+    assert r["resumed_from_step"] == 2 and r["lineage"]["branch"] == 0, "the same branch, continued"
+    run_recipe("baseline", tmp_path / "whole", *short)
+    assert max_param_diff(load_params(tmp_path / "whole"), load_params(tmp_path / "cut")) <= 1e-7
