@@ -132,6 +132,12 @@ def parse_args(
     g.add_argument("--trust_remote_code", action="store_true",
                    help="Run code shipped with a hub model. Off unless passed.")
     g.add_argument("--ignore_mismatched_sizes", action="store_true", help="A classifier of other labels: a new head.")
+    g.add_argument("--weights_dtype", default="fp32", choices=("fp32", "bf16", "auto"),
+                   help="The dtype the weights (and so their gradients and AdamW moments) train in. fp32: fp32 master "
+                        "weights, a bf16 checkpoint upcast on load; --mixed_precision bf16/fp16 then computes in 16 "
+                        "bits over them. bf16: pure bf16 on purpose (torchtune's choice: half the model-state memory, "
+                        "no fp32 copy). auto: as the checkpoint stores them (transformers' dtype='auto'), said on "
+                        "the console.")
     g.add_argument("--attn_implementation", default=None,
                    help="eager, sdpa, flash_attention_2 ... Unset: Transformers' choice (sdpa where the model has it).")
 

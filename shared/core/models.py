@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from .errors import InputError
@@ -154,6 +155,32 @@ def check_positions(config: PretrainedConfig, max_seq_length: int) -> None:
                          f"Pass --max_seq_length {positions} or less.")
 
 
+def weights_dtype(args: argparse.Namespace, config: PretrainedConfig) -> torch.dtype:
+    """The dtype the weights train in (--weights_dtype): fp32 (a bf16 checkpoint upcast: fp32 master weights), bf16,
+    or auto: the dtype the config says the weights are stored in (transformers' dtype="auto"; none given: fp32)."""
+    choice = getattr(args, "weights_dtype", "fp32")
+    if choice != "auto":
+        return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
+    stored = getattr(config, "dtype", None)
+    return getattr(torch, stored) if isinstance(stored, str) else stored or torch.float32
+
+
+def check_weights_dtype(args: argparse.Namespace, config: PretrainedConfig, mixed_precision: str) -> torch.dtype:
+    """The weights' training dtype, refused under fp16 when it is not fp32, before any weight loads."""
+    dtype, stored = weights_dtype(args, config), getattr(config, "dtype", None)
+    if dtype != torch.float32 and mixed_precision == "fp16":
+        why = ("--weights_dtype bf16" if args.weights_dtype == "bf16"
+               else f"--weights_dtype auto on a checkpoint stored in {str(stored).removeprefix('torch.')}")
+        # GradScaler's loss scaling keeps small fp16 gradients from flushing to zero before they reach fp32 master
+        # weights; over 16-bit masters the update itself rounds away, and a bf16 weight past fp16's 65504 overflows.
+        raise InputError(f"--mixed_precision fp16 over {str(dtype).removeprefix('torch.')} master weights ({why}): "
+                         "fp16 loss scaling protects small gradients on their way to fp32 master weights; over 16-bit "
+                         "masters the updates round away whatever the scale, and bf16 values beyond fp16's range "
+                         "(65504) overflow when autocast casts them. Pass --weights_dtype fp32 (the default: fp32 "
+                         "masters, the checkpoint upcast), or --mixed_precision bf16.")
+    return dtype
+
+
 def build_model(args: argparse.Namespace, config: PretrainedConfig) -> nn.Module:
     """From the hub or a directory when --model_name_or_path is set, else from `config` with random weights."""
     import transformers
@@ -165,10 +192,12 @@ def build_model(args: argparse.Namespace, config: PretrainedConfig) -> nn.Module
                 setattr(config, key, 0.0)
     # Unset: Transformers picks (sdpa where the model has it). flash_attention_2 needs a GPU and flash-attn.
     attn = {"attn_implementation": args.attn_implementation} if getattr(args, "attn_implementation", None) else {}
+    dtype = weights_dtype(args, config)  # read before from_pretrained/from_config rewrite config.dtype
     if args.model_name_or_path:
         return auto.from_pretrained(args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code,
-                                    ignore_mismatched_sizes=getattr(args, "ignore_mismatched_sizes", False), **attn)
-    return auto.from_config(config, **attn)
+                                    ignore_mismatched_sizes=getattr(args, "ignore_mismatched_sizes", False),
+                                    dtype=dtype, **attn)
+    return auto.from_config(config, dtype=dtype, **attn)
 
 
 def transformer_layers(model: nn.Module) -> nn.ModuleList:

@@ -1,0 +1,73 @@
+"""Checkpoints as they ship (issue 33, part A): stored in bf16, a mixture of experts with its router loss switched
+off, an output directory that is the user's own model. Each is trained as the user chose, or refused with the
+reason; results.json says what the weights, the optimizer state and autocast really were (read on live tensors)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_recipe
+
+TINY = ["--max_train_samples", 16, "--max_eval_samples", 4, "--per_device_train_batch_size", 4,
+        "--per_device_eval_batch_size", 4, "--max_seq_length", 32, "--max_train_steps", 1]
+DTYPES = ("param_dtype", "master_weights_dtype", "optimizer_state_dtype", "autocast_dtype", "compute_dtype")
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory) -> Path:
+    """A Llama-style model directory stored in bf16 (its config.json says so), with its tokenizer: as Llama ships."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("bf16")
+    run_recipe("baseline", root / "fp32", "--task", "causal-lm", "--model_preset", "tiny-llama", *TINY)
+    AutoModelForCausalLM.from_pretrained(root / "fp32").to(torch.bfloat16).save_pretrained(root / "model")
+    for f in (root / "fp32").iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, root / "model")
+    assert json.loads((root / "model" / "config.json").read_text())["dtype"] == "bfloat16"
+    return root / "model"
+
+
+@pytest.mark.parametrize("weights,precision,expected", [
+    # the default: fp32 master weights (the checkpoint upcast), AdamW's moments fp32, no autocast
+    ("fp32", "no", ("float32", "float32", "float32", None, "float32")),
+    # mixed precision keeps fp32 masters: autocast computes in 16 bits over them
+    ("fp32", "bf16", ("float32", "float32", "float32", "bfloat16", "bfloat16")),
+    ("fp32", "fp16", ("float32", "float32", "float32", "float16", "float16")),
+    # pure bf16, chosen: weights, moments and compute all bf16, no fp32 copy anywhere
+    ("bf16", "no", ("bfloat16", "bfloat16", "bfloat16", None, "bfloat16")),
+    # as stored (bf16), said on the console
+    ("auto", "no", ("bfloat16", "bfloat16", "bfloat16", None, "bfloat16")),
+])
+def test_each_weights_dtype_trains_as_chosen_and_results_say_so(bf16_dir, tmp_path, weights, precision, expected,
+                                                                  caplog):
+    r = run_recipe("baseline", tmp_path / "run", "--task", "causal-lm", "--model_name_or_path", bf16_dir,
+                   "--weights_dtype", weights, "--mixed_precision", precision, "--no_save_model", *TINY)
+    assert tuple(r[k] for k in DTYPES) == expected
+    assert r["mixed_precision"] == precision and r["flags"]["weights_dtype"] == weights
+    # 2 bytes a parameter in bf16, 4 in fp32: measured on the live tensors, not read from the flag
+    per_param = {"float32": 4, "bfloat16": 2}[expected[0]]
+    assert r["param_bytes"][0] == per_param * sum(t.numel() for t in _weights(bf16_dir).values())
+    if weights == "auto":
+        assert "--weights_dtype auto: the weights train in their stored dtype, bfloat16" in caplog.text
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+@pytest.mark.parametrize("weights", ["bf16", "auto"])
+def test_fp16_over_bf16_master_weights_is_refused_with_the_fix(bf16_dir, tmp_path, weights):
+    with pytest.raises(SystemExit, match=r"--mixed_precision fp16 over bfloat16 master weights.*Pass --weights_dtype "
+                                         r"fp32 .*or --mixed_precision bf16") as err:
+        run_recipe("baseline", tmp_path / "run", "--task", "causal-lm", "--model_name_or_path", bf16_dir,
+                   "--weights_dtype", weights, "--mixed_precision", "fp16", "--no_save_model", *TINY)
+    assert ("--weights_dtype bf16" if weights == "bf16" else "a checkpoint stored in bfloat16") in str(err.value)
+    assert not (tmp_path / "run" / "results.json").exists()
