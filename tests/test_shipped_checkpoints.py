@@ -71,3 +71,34 @@ def test_fp16_over_bf16_master_weights_is_refused_with_the_fix(bf16_dir, tmp_pat
                    "--weights_dtype", weights, "--mixed_precision", "fp16", "--no_save_model", *TINY)
     assert ("--weights_dtype bf16" if weights == "bf16" else "a checkpoint stored in bfloat16") in str(err.value)
     assert not (tmp_path / "run" / "results.json").exists()
+
+
+@pytest.fixture(scope="module")
+def moe_dir(bf16_dir, tmp_path_factory) -> Path:
+    """A Qwen3-MoE-style directory as it ships: output_router_logits false, bf16."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+
+    root = tmp_path_factory.mktemp("moe") / "model"
+    tok = AutoTokenizer.from_pretrained(bf16_dir)
+    config = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+                            output_router_logits=False, router_aux_loss_coef=0.001, dtype="bfloat16",
+                            pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root)
+    tok.save_pretrained(root)
+    assert json.loads((root / "config.json").read_text())["output_router_logits"] is False
+    return root
+
+
+def test_a_shipped_moe_trains_its_router_loss_or_is_refused_with_the_reason(moe_dir, tmp_path):
+    """The router's load-balancing loss is on for every source of the model (here a local directory whose config
+    switched it off, as Qwen3-MoE and Mixtral ship); a task whose model class returns none is refused."""
+    r = run_recipe("baseline", tmp_path / "lm", "--task", "causal-lm", "--model_name_or_path", moe_dir,
+                   "--no_save_model", *TINY)
+    assert r["model_type"] == "qwen3_moe" and r["router_aux_loss"] > 1.0  # top-2 of 4 experts: about 2 when balanced
+    with pytest.raises(SystemExit, match=r"is a mixture of experts \(qwen3_moe\), and Transformers' "
+                                         r"Qwen3MoeForSequenceClassification .* returns no router aux_loss"):
+        run_recipe("baseline", tmp_path / "cls", "--task", "text-classification", "--model_name_or_path", moe_dir,
+                   "--no_save_model", *TINY)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import inspect
+import logging
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -147,6 +150,34 @@ def check_fits_task(config: PretrainedConfig, task: str, name: str) -> None:
                          "in its config.json.")
 
 
+def train_router(config: PretrainedConfig, task: str, name: str) -> None:
+    """A mixture of experts (its config has output_router_logits) trains its router's load-balancing loss, whatever
+    the config shipped with: Mixtral's and Qwen-MoE's published configs switch it off (it only matters in training).
+    Refused where the task's model class returns no aux_loss (Transformers' MoE classifiers): the router would train
+    unbalanced with no word."""
+    if getattr(config, "output_router_logits", None) is None:
+        return
+    import transformers
+
+    classes = getattr(transformers, _AUTO_CLASS_NAMES[task])._model_mapping
+    if type(config) in classes:  # (remote code brings its own classes: trusted to return what its config asks)
+        cls = classes[type(config)]
+        output = inspect.signature(cls.forward).return_annotation
+        if isinstance(output, str):  # `from __future__ import annotations` in its module
+            output = getattr(sys.modules[cls.__module__], output, None) or getattr(transformers.modeling_outputs,
+                                                                                   output, None)
+        if "aux_loss" not in getattr(output, "__dataclass_fields__", {}):
+            raise InputError(f"{name!r} is a mixture of experts ({config.model_type}), and Transformers' "
+                             f"{cls.__name__} (--task {task}) returns no router aux_loss: its router's "
+                             "load-balancing loss would silently not train. Pass --task causal-lm for it, or a dense "
+                             "model for this task.")
+    if not config.output_router_logits:
+        logging.getLogger("recipes").info("%s: output_router_logits set to True for training (the router's "
+                                          "load-balancing loss, router_aux_loss_coef %s)", name,
+                                          getattr(config, "router_aux_loss_coef", None))
+        config.output_router_logits = True
+
+
 def check_positions(config: PretrainedConfig, max_seq_length: int) -> None:
     """Tokens past the position embeddings crash the forward pass mid-run (an index error in the embedding)."""
     positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
@@ -192,6 +223,7 @@ def build_model(args: argparse.Namespace, config: PretrainedConfig) -> nn.Module
                 setattr(config, key, 0.0)
     # Unset: Transformers picks (sdpa where the model has it). flash_attention_2 needs a GPU and flash-attn.
     attn = {"attn_implementation": args.attn_implementation} if getattr(args, "attn_implementation", None) else {}
+    train_router(config, args.task, model_source(args))
     dtype = weights_dtype(args, config)  # read before from_pretrained/from_config rewrite config.dtype
     if args.model_name_or_path:
         return auto.from_pretrained(args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code,

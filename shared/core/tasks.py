@@ -166,6 +166,7 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
     # read and tokenized (the preset's positions are those of the model built later).
     config = models.model_config(args)
     models.check_positions(config, args.max_seq_length)
+    models.train_router(config, args.task, models.model_source(args))  # refused here, before the data is read
     _say_weights_dtype(args, config, models.check_weights_dtype(args, config, launch.mixed_precision), accelerator)
     if args.text_pair_column and args.task != "text-classification":
         raise InputError(f"--text_pair_column serves --task text-classification (sentence pairs), not {args.task}. "
