@@ -142,3 +142,50 @@ def test_a_sharded_mixture_of_experts_saves_a_model_from_pretrained_loads(tmp_pa
     loss, model = reloaded_eval_loss(tmp_path, *data, "--per_device_eval_batch_size", 4)
     assert all(p.numel() > 0 for p in model.parameters()) and model.config.model_type == "mixtral"
     assert loss == pytest.approx(r["eval_loss"], abs=1e-5), (loss, r["eval_loss"])
+
+
+def test_no_input_of_the_run_is_its_output(tmp_path):
+    """The output directory may not be, hold, or lie inside anything the run reads: the model being fine-tuned (the
+    same path, its parent, a folder inside it, a link to it), its tokenizer, the data files and folders, another
+    run's checkpoint. Refused before anything loads, --overwrite_output_dir or not, and nothing there is touched."""
+    model, data = tmp_path / "models" / "llama", tmp_path / "data"
+    (model / "sub").mkdir(parents=True)
+    data.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    (data / "train.txt").write_text("hello\n")
+    (tmp_path / "link").symlink_to(model)
+    ckpt = tmp_path / "other_run" / "checkpoints" / "step_2"
+    ckpt.mkdir(parents=True)
+    base = ["--task", "causal-lm", "--overwrite_output_dir"]
+    cases = [  # (flags, output_dir, the words)
+        (["--model_name_or_path", model], model, "is --model_name_or_path"),
+        (["--model_name_or_path", model], model.parent, "holds --model_name_or_path"),
+        (["--model_name_or_path", model], model / "sub", "lies inside --model_name_or_path"),
+        (["--model_name_or_path", model], tmp_path / "link", "is --model_name_or_path"),
+        (["--model_name_or_path", tmp_path / "link"], model / "finetuned", "lies inside --model_name_or_path"),
+        (["--tokenizer_name", model], model, "is --tokenizer_name"),
+        (["--train_file", data / "train.txt"], data, "holds --train_file"),
+        (["--task", "image-classification", "--train_dir", data], data / "out", "lies inside --train_dir"),
+        (["--resume_from_checkpoint", ckpt], ckpt.parent, "holds --resume_from_checkpoint"),
+    ]
+    for flags, out, words in cases:
+        with pytest.raises(SystemExit) as err:
+            run_recipe("baseline", out, *base, *flags)
+        message = str(err.value)
+        assert words in message and "which this run reads" in message, (flags, out, message)
+        assert "--overwrite_output_dir" not in message and "-finetuned" in message
+    assert (model / "model.safetensors").read_bytes() == b"weights" and (data / "train.txt").exists()
+    assert sorted(p.name for p in model.iterdir()) == ["model.safetensors", "sub"]  # no lock, no run files left
+
+
+def test_a_run_resumes_from_its_own_checkpoints_and_writes_beside_its_inputs(tmp_path):
+    """Not refused: a sibling of the model, and this run's own checkpoint under output_dir/checkpoints."""
+    from shared.core import rundir
+    from shared.core.args import parse_args
+
+    (tmp_path / "model").mkdir()
+    own = tmp_path / "run" / "checkpoints" / "step_2"
+    own.mkdir(parents=True)
+    args = parse_args(["--model_name_or_path", str(tmp_path / "model"), "--resume_from_checkpoint", str(own)])
+    rundir.refuse_inputs(args, str(tmp_path / "run"), str(own))
+    rundir.refuse_inputs(args, str(tmp_path / "model-finetuned"), None)

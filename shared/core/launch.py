@@ -218,6 +218,7 @@ def resolve_launch(
                           "Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv_backend c10d "
                           "(docs/multi_node.md).")
     resume_from = args.resume_from_checkpoint or ("latest" if restarts else None)
+    rundir.refuse_inputs(args, output_dir, resume_from)  # the user's model and data are never the output
     # A process that dies or hangs makes the others fail after this long instead of waiting forever.
     process_group = InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))
     cpu = False
