@@ -98,8 +98,9 @@ def test_a_shipped_moe_trains_its_router_loss_or_is_refused_with_the_reason(moe_
     r = run_recipe("baseline", tmp_path / "lm", "--task", "causal-lm", "--model_name_or_path", moe_dir,
                    "--no_save_model", *TINY)
     assert r["model_type"] == "qwen3_moe" and r["router_aux_loss"] > 1.0  # top-2 of 4 experts: about 2 when balanced
-    with pytest.raises(SystemExit, match=r"is a mixture of experts \(qwen3_moe\), and Transformers' "
-                                         r"Qwen3MoeForSequenceClassification .* returns no router aux_loss"):
+    with pytest.raises(SystemExit, match=r"Refused before training: the model is a mixture of experts, and "
+                                         r"Transformers' Qwen3MoeForSequenceClassification \(--task text-classifi"
+                                         r"cation\) returns no router aux_loss.*Fix: Use --task causal-lm"):
         run_recipe("baseline", tmp_path / "cls", "--task", "text-classification", "--model_name_or_path", moe_dir,
                    "--no_save_model", *TINY)
 

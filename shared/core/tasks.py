@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import data, losses, models
+from . import data, losses, models, rules
 from .errors import InputError
 
 if TYPE_CHECKING:
@@ -166,7 +166,8 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
     # read and tokenized (the preset's positions are those of the model built later).
     config = models.model_config(args)
     models.check_positions(config, args.max_seq_length)
-    models.train_router(config, args.task, models.model_source(args))  # refused here, before the data is read
+    # A mixture of experts whose task class drops its router loss: refused by the rule table, before the data is read
+    rules.check_built(launch.recipe, task=args.task, no_router_loss=models.router_loss_missing(config, args.task))
     _say_weights_dtype(args, config, models.check_weights_dtype(args, config, launch.mixed_precision), accelerator)
     if args.text_pair_column and args.task != "text-classification":
         raise InputError(f"--text_pair_column serves --task text-classification (sentence pairs), not {args.task}. "
