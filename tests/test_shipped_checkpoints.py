@@ -190,3 +190,56 @@ def test_a_run_resumes_from_its_own_checkpoints_and_writes_beside_its_inputs(tmp
     args = parse_args(["--model_name_or_path", str(tmp_path / "model"), "--resume_from_checkpoint", str(own)])
     rundir.refuse_inputs(args, str(tmp_path / "run"), str(own))
     rundir.refuse_inputs(args, str(tmp_path / "model-finetuned"), None)
+
+
+def _reloads_tied(model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
+    assert not any(info.values()), info
+    head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    assert model.config.tie_word_embeddings and head is embedding  # one tensor: the same storage
+    saved = _weights(model_dir)
+    assert "lm_head.weight" not in saved and torch.equal(saved["model.embed_tokens.weight"], embedding.detach())
+
+
+def test_the_shipped_shape_presets_train_as_their_checkpoints_do(tmp_path):
+    """tiny-qwen2 (stored bf16, head tied to the embedding) trains in fp32 master weights by default, and its saved
+    model reloads tied; tiny-mistral keeps its 16-token sliding window; tiny-qwen3-moe (router logits off, as Qwen3-MoE
+    ships) trains its router's loss."""
+    r = run_recipe("baseline", tmp_path / "qwen2", "--task", "causal-lm", "--model_preset", "tiny-qwen2", *TINY)
+    assert (r["model_type"], r["param_dtype"], r["master_weights_dtype"]) == ("qwen2", "float32", "float32")
+    _reloads_tied(tmp_path / "qwen2")
+    r = run_recipe("baseline", tmp_path / "bf16", "--task", "causal-lm", "--model_preset", "tiny-qwen2",
+                   "--weights_dtype", "auto", "--no_save_model", *TINY)
+    assert (r["param_dtype"], r["optimizer_state_dtype"]) == ("bfloat16", "bfloat16")  # as stored: bf16
+    from transformers import AutoConfig
+
+    r = run_recipe("baseline", tmp_path / "mistral", "--task", "causal-lm", "--model_preset", "tiny-mistral", *TINY)
+    assert r["model_type"] == "mistral" and AutoConfig.from_pretrained(tmp_path / "mistral").sliding_window == 16
+    r = run_recipe("baseline", tmp_path / "moe", "--task", "causal-lm", "--model_preset", "tiny-qwen3-moe",
+                   "--no_save_model", *TINY)
+    assert r["model_type"] == "qwen3_moe" and r["router_aux_loss"] > 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe,launch_config", [("fsdp", "fsdp.yaml"), ("zero", "zero3.yaml")])
+def test_a_tied_llama_saved_from_shards_reloads_tied(tmp_path, recipe, launch_config):
+    """A Llama-3.2-style directory (head tied to the embedding, bf16), trained sharded over 2 processes: the gathered
+    model reloads tied, one tensor for both."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.conftest import launch
+
+    base = tmp_path / "init"
+    run_recipe("baseline", tmp_path / "tok", "--task", "causal-lm", "--model_preset", "tiny-llama", *TINY)
+    config = LlamaConfig(**{**AutoModelForCausalLM.from_pretrained(tmp_path / "tok").config.to_dict(),
+                            "tie_word_embeddings": True, "dtype": "bfloat16"})
+    AutoModelForCausalLM.from_config(config).save_pretrained(base)
+    for f in (tmp_path / "tok").iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, base)
+    r = launch(recipe, tmp_path / "out", "--task", "causal-lm", "--model_name_or_path", base, *TINY,
+               config=launch_config)
+    assert r["param_dtype"] == "float32"  # fp32 masters by default, the bf16 checkpoint upcast
+    _reloads_tied(tmp_path / "out")
