@@ -214,19 +214,25 @@ def weights_dtype(args: argparse.Namespace, config: PretrainedConfig) -> torch.d
     return getattr(torch, stored) if isinstance(stored, str) else stored or torch.float32
 
 
-def check_weights_dtype(args: argparse.Namespace, config: PretrainedConfig, mixed_precision: str) -> torch.dtype:
-    """The weights' training dtype, refused under fp16 when it is not fp32, before any weight loads."""
-    dtype, stored = weights_dtype(args, config), getattr(config, "dtype", None)
+def check_weights_dtype(args: argparse.Namespace, config: PretrainedConfig, mixed_precision: str,
+                        main: bool = True) -> torch.dtype:
+    """The weights' training dtype, before any weight loads: refused under fp16 unless fp32; said aloud for auto."""
+    dtype, stored = weights_dtype(args, config), str(getattr(config, "dtype", None)).removeprefix("torch.")
+    name = str(dtype).removeprefix("torch.")
     if dtype != torch.float32 and mixed_precision == "fp16":
-        why = ("--weights_dtype bf16" if args.weights_dtype == "bf16"
-               else f"--weights_dtype auto on a checkpoint stored in {str(stored).removeprefix('torch.')}")
+        why = "--weights_dtype bf16" if args.weights_dtype == "bf16" else f"--weights_dtype auto, stored in {stored}"
         # GradScaler's loss scaling keeps small fp16 gradients from flushing to zero before they reach fp32 master
         # weights; over 16-bit masters the update itself rounds away, and a bf16 weight past fp16's 65504 overflows.
-        raise InputError(f"--mixed_precision fp16 over {str(dtype).removeprefix('torch.')} master weights ({why}): "
-                         "fp16 loss scaling protects small gradients on their way to fp32 master weights; over 16-bit "
-                         "masters the updates round away whatever the scale, and bf16 values beyond fp16's range "
-                         "(65504) overflow when autocast casts them. Pass --weights_dtype fp32 (the default: fp32 "
-                         "masters, the checkpoint upcast), or --mixed_precision bf16.")
+        raise InputError(f"--mixed_precision fp16 over {name} master weights ({why}): fp16 loss scaling protects "
+                         "small gradients on their way to fp32 master weights; over 16-bit masters the updates round "
+                         "away whatever the scale, and bf16 values beyond fp16's range (65504) overflow when autocast "
+                         "casts them. Pass --weights_dtype fp32 (the default: fp32 masters, the checkpoint upcast), "
+                         "or --mixed_precision bf16.")
+    if main and args.weights_dtype == "auto":
+        logging.getLogger("recipes").warning(
+            "--weights_dtype auto: the weights train in their stored dtype, %s%s", name, "" if dtype == torch.float32
+            else ": pure 16-bit training, no fp32 master copy (gradients and optimizer state in it too). "
+            "--weights_dtype fp32 keeps fp32 master weights.")
     return dtype
 
 

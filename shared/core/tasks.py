@@ -168,7 +168,7 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
     models.check_positions(config, args.max_seq_length)
     # A mixture of experts whose task class drops its router loss: refused by the rule table, before the data is read
     rules.check_built(launch.recipe, task=args.task, no_router_loss=models.router_loss_missing(config, args.task))
-    _say_weights_dtype(args, config, models.check_weights_dtype(args, config, launch.mixed_precision), accelerator)
+    models.check_weights_dtype(args, config, launch.mixed_precision, accelerator.is_main_process)
     if args.text_pair_column and args.task != "text-classification":
         raise InputError(f"--text_pair_column serves --task text-classification (sentence pairs), not {args.task}. "
                          "Drop it, or pass --task text-classification.")
@@ -192,25 +192,6 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
                          f"({what}). Lower --per_device_train_batch_size{' or --max_seq_length' if packed else ''} "
                          "or add data.")
     return task
-
-
-def _say_weights_dtype(args, config, dtype: torch.dtype, accelerator) -> None:
-    """What the weights train in, on the console where it is not the fp32 the flag's default promises."""
-    stored = getattr(config, "dtype", None)
-    stored = getattr(torch, stored) if isinstance(stored, str) else stored
-    if not accelerator.is_main_process:
-        return
-    if args.weights_dtype == "auto":
-        logger.warning("--weights_dtype auto: the weights train in their stored dtype, %s%s", _short(dtype),
-                       "" if dtype == torch.float32 else ": pure 16-bit training, no fp32 master copy (gradients "
-                       "and optimizer state in it too). --weights_dtype fp32 keeps fp32 master weights.")
-    elif stored not in (None, dtype):
-        logger.info("--weights_dtype %s: the checkpoint's %s weights are cast to %s on load", args.weights_dtype,
-                    _short(stored), _short(dtype))
-
-
-def _short(dtype: object) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def task_module(name: str, recipe: str = "RECIPE"):
