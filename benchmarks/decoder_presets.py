@@ -1,16 +1,19 @@
 """Every recipe on the decoder presets: `--task causal-lm` with `--model_preset tiny-llama` (Llama: RMSNorm, rotary,
 GQA, SwiGLU, untied head) and `tiny-moe` (Mixtral: 4 experts, top-2, the router's load-balancing loss in the loss),
 and `--task text-classification` with both (LlamaForSequenceClassification; Mixtral's classifier returns no router
-loss), each under the plainest launch the recipe's row in shared/core/rules.py allows, for 2 steps on tiny built-in
-data (recipes/ptq.py quantizes the baseline cell's trained model instead).
+loss); and, shaped as today's checkpoints ship (stored in bf16), `tiny-qwen2` (a tied head), `tiny-qwen3-moe` (router
+logits off) and `tiny-mistral` (a sliding window) as causal LMs. Each under the plainest launch the recipe's row in
+shared/core/rules.py allows, for 2 steps on tiny built-in data (recipes/ptq.py quantizes the baseline cell's trained
+model instead), saving its model as a user's run does.
 
     python benchmarks/decoder_presets.py                    # every cell, ~45 min on 2 CPU cores
     python benchmarks/decoder_presets.py --only fsdp        # cells whose name contains it (repeatable)
     python benchmarks/decoder_presets.py --only fsdp --update   # rerun them, keep the other committed cells
 
 Each cell ends as one of
-  trained  2 steps, a finite loss, the model asked for (results.json's model_type), and for tiny-moe the router's
-           load-balancing loss reported (the loss the recipe trained on included it);
+  trained  2 steps, a finite loss, the model asked for (results.json's model_type), for a mixture of experts the
+           router's load-balancing loss reported (the loss the recipe trained on included it), and the saved model
+           loaded back by from_pretrained (every weight found, a tied head tied again), or the recipe's own form;
   refused  stopped by the rule table (shared/core/rules.py, `check` before loading or `check_built` on the built
            model) with the reason and the fix; the Run the table refused is recorded, so tests/test_decoder_presets.py
            can ask the table again and hold the doc to it;
@@ -248,6 +251,16 @@ def machine() -> str:
             f"transformers {transformers.__version__}; {time.strftime('%Y-%m-%d')}")
 
 
+def saved_words(r: dict) -> str:
+    """What a trained cell saved: a model from_pretrained reloaded, the recipe's own form, or (a cell run before the
+    sweep saved models) nothing, by --no_save_model."""
+    if r["status"] != "trained":
+        return ""
+    if "--no_save_model" in r["command"]:
+        return "not asked (--no_save_model, an older run)"
+    return {"model": "model, reloaded"}.get(r.get("saved"), r.get("saved") or "")
+
+
 def write_outputs(rows: list[dict], json_path: Path, md_path: Path, note: str) -> None:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     report = {"machine": note, "run_args": RUN_ARGS, "skipped": SKIPPED,
@@ -261,7 +274,8 @@ def write_outputs(rows: list[dict], json_path: Path, md_path: Path, note: str) -
              "Each cell is a real run of the recipe, 2 steps on the built-in data (" + " ".join(RUN_ARGS[:10])
              + "), under the plainest launch its row of `shared/core/rules.py` allows: one process where it may, "
              "else the launch config its row names. **trained**: a finite loss, results.json's model_type the "
-             "preset's (llama / mixtral), and for tiny-moe the router's load-balancing loss reported. **refused**: "
+             "preset's, for a mixture of experts the router's load-balancing loss reported, and the saved model "
+             "loaded back with from_pretrained, every weight found and a tied head tied again. **refused**: "
              "stopped by the rule table with the reason and the fix (tests/test_decoder_presets.py asks the table "
              "again for each). **crashed**: anything else.", "",
              f"{counts['trained']} trained, {counts['refused']} refused, {counts['crashed']} crashed, of {len(rows)}. "
@@ -299,10 +313,11 @@ def write_outputs(rows: list[dict], json_path: Path, md_path: Path, note: str) -
         lines.append(f"- {', '.join(f'**{n}**' for n in names)} ({reason})")
     common = " ".join(RUN_ARGS)
     lines += ["", f"## Every run (each command ends with `{common} --output_dir <out>`)", "",
-              "| cell | status | model_type | seconds | command |", "|---|---|---|---|---|"]
+              "| cell | status | model_type | saved | seconds | command |", "|---|---|---|---|---|---|"]
     for r in rows:
         command = r["command"].replace(f" {common}", "").removesuffix(" --output_dir <out>")
-        lines.append(f"| {r['name']} | {r['status']} | {r.get('model_type') or ''} | {r['wall_s']} | `{command}` |")
+        lines.append(f"| {r['name']} | {r['status']} | {r.get('model_type') or ''} | {saved_words(r)} | {r['wall_s']} "
+                     f"| `{command}` |")
     md_path.write_text("\n".join(lines) + "\n")
 
 
