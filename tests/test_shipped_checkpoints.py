@@ -218,6 +218,13 @@ def test_the_shipped_shape_presets_train_as_their_checkpoints_do(tmp_path):
 
     r = run_recipe("baseline", tmp_path / "mistral", "--task", "causal-lm", "--model_preset", "tiny-mistral", *TINY)
     assert r["model_type"] == "mistral" and AutoConfig.from_pretrained(tmp_path / "mistral").sliding_window == 16
+    from transformers import AutoModelForCausalLM
+
+    model, ids = AutoModelForCausalLM.from_pretrained(tmp_path / "mistral"), torch.arange(1, 33)[None]
+    windowed = model(ids).logits
+    model.config.sliding_window = None  # full causal attention: the same logits up to the window, others past it
+    differs = (windowed - model(ids).logits).abs().amax(-1)[0] > 1e-4
+    assert not differs[:16].any() and differs[17:].all()
     r = run_recipe("baseline", tmp_path / "moe", "--task", "causal-lm", "--model_preset", "tiny-qwen3-moe",
                    "--no_save_model", *TINY)
     assert r["model_type"] == "qwen3_moe" and r["router_aux_loss"] > 1.0
