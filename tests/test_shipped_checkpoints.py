@@ -54,7 +54,7 @@ def test_each_weights_dtype_trains_as_chosen_and_results_say_so(bf16_dir, tmp_pa
     per_param = {"float32": 4, "bfloat16": 2}[expected[0]]
     assert r["param_bytes"][0] == per_param * sum(t.numel() for t in _weights(bf16_dir).values())
     if weights == "auto":
-        assert "--weights_dtype auto: the weights train in their stored dtype, bfloat16" in caplog.text
+        assert "--weights_dtype auto: the weights load in their stored dtype, bfloat16" in caplog.text
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -251,3 +251,22 @@ def test_a_tied_llama_saved_from_shards_reloads_tied(tmp_path, recipe, launch_co
                config=launch_config)
     assert r["param_dtype"] == "float32"  # fp32 masters by default, the bf16 checkpoint upcast
     _reloads_tied(tmp_path / "out")
+
+
+def test_pure_bf16_is_refused_where_the_sharding_keeps_fp32_masters_of_its_own():
+    """DeepSpeed's ZeRO keeps fp32 partitions of bf16 weights (measured: zero2.yaml, tiny-qwen2, --mixed_precision
+    bf16: param bfloat16, master and moments float32), and Accelerate's FSDP2 mixed precision upcasts: --weights_dtype
+    bf16 there would not be what trained. Plain DDP and FSDP2 without mixed precision train pure bf16."""
+    from shared.core import rules
+
+    def refused(sharding: str, precision: str, weights: str = "bf16") -> str:
+        run = rules.Run(recipe="combined", sharding=sharding, launched=sharding, num_processes=2,
+                        precision=precision, weights=weights)
+        return " ".join(rules.refusals(run))
+
+    for stage in ("zero1", "zero2", "zero3"):
+        assert "--weights_dtype bf16 (pure bf16) under DeepSpeed ZeRO" in refused(stage, "bf16")
+        assert "Fix: Pass --weights_dtype fp32" in refused(stage, "no")
+        assert "--weights_dtype" not in refused(stage, "bf16", "fp32") + refused(stage, "bf16", "auto")
+    assert "--mixed_precision no for pure bf16 under FSDP2" in refused("fsdp", "bf16")
+    assert "--weights_dtype" not in refused("fsdp", "no") + refused("ddp", "bf16") + refused("none", "no")

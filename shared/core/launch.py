@@ -194,7 +194,7 @@ def resolve_launch(
                      accumulation=accumulation, max_grad_norm=clipping, compile=torch_compile, lone_launch=lone,
                      packing=args.packing if args.task == "causal-lm" or "packing" in args.explicit_flags else "none",
                      parallelism_config=rules.launched_parallelism(os.environ),
-                     async_checkpoint=args.async_checkpoint,
+                     async_checkpoint=args.async_checkpoint, weights=args.weights_dtype,
                      preset="" if args.model_name_or_path else args.model_preset, **{"task": args.task, **asks})
     rules.check(run)  # the rule table: refused here, with the reason and the fix
     check_environment(mixed_precision, uses_deepspeed=sharding.startswith("zero"))

@@ -230,9 +230,10 @@ def check_weights_dtype(args: argparse.Namespace, config: PretrainedConfig, mixe
                          "or --mixed_precision bf16.")
     if main and args.weights_dtype == "auto":
         logging.getLogger("recipes").warning(
-            "--weights_dtype auto: the weights train in their stored dtype, %s%s", name, "" if dtype == torch.float32
-            else ": pure 16-bit training, no fp32 master copy (gradients and optimizer state in it too). "
-            "--weights_dtype fp32 keeps fp32 master weights.")
+            "--weights_dtype auto: the weights load in their stored dtype, %s%s", name, "" if dtype == torch.float32
+            else ": pure 16-bit training, no fp32 master copy (gradients and optimizer state in it too), unless the "
+            "sharding keeps one of its own (DeepSpeed; FSDP2 under mixed precision). --weights_dtype fp32 keeps fp32 "
+            "master weights.")
     return dtype
 
 
