@@ -119,7 +119,7 @@ def reloaded_eval_loss(model_dir: Path, *run_args: object) -> tuple[float, objec
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     args = parse_args(["--task", "causal-lm", "--model_name_or_path", str(model_dir), *map(str, run_args),
-                       "--output_dir", str(model_dir / "reload")])
+                       "--output_dir", str(model_dir.parent / f"{model_dir.name}-reload")])  # never inside an input
     _reset_accelerate()
     try:
         accelerator = Accelerator(cpu=True)
