@@ -1,16 +1,19 @@
 """Every recipe on the decoder presets: `--task causal-lm` with `--model_preset tiny-llama` (Llama: RMSNorm, rotary,
 GQA, SwiGLU, untied head) and `tiny-moe` (Mixtral: 4 experts, top-2, the router's load-balancing loss in the loss),
 and `--task text-classification` with both (LlamaForSequenceClassification; Mixtral's classifier returns no router
-loss), each under the plainest launch the recipe's row in shared/core/rules.py allows, for 2 steps on tiny built-in
-data (recipes/ptq.py quantizes the baseline cell's trained model instead).
+loss); and, shaped as today's checkpoints ship (stored in bf16), `tiny-qwen2` (a tied head), `tiny-qwen3-moe` (router
+logits off) and `tiny-mistral` (a sliding window) as causal LMs. Each under the plainest launch the recipe's row in
+shared/core/rules.py allows, for 2 steps on tiny built-in data (recipes/ptq.py quantizes the baseline cell's trained
+model instead), saving its model as a user's run does.
 
     python benchmarks/decoder_presets.py                    # every cell, ~45 min on 2 CPU cores
     python benchmarks/decoder_presets.py --only fsdp        # cells whose name contains it (repeatable)
     python benchmarks/decoder_presets.py --only fsdp --update   # rerun them, keep the other committed cells
 
 Each cell ends as one of
-  trained  2 steps, a finite loss, the model asked for (results.json's model_type), and for tiny-moe the router's
-           load-balancing loss reported (the loss the recipe trained on included it);
+  trained  2 steps, a finite loss, the model asked for (results.json's model_type), for a mixture of experts the
+           router's load-balancing loss reported (the loss the recipe trained on included it), and the saved model
+           loaded back by from_pretrained (every weight found, a tied head tied again), or the recipe's own form;
   refused  stopped by the rule table (shared/core/rules.py, `check` before loading or `check_built` on the built
            model) with the reason and the fix; the Run the table refused is recorded, so tests/test_decoder_presets.py
            can ask the table again and hold the doc to it;
@@ -40,9 +43,14 @@ from shared.core import rules  # noqa: E402
 SKIPPED = {"expert_parallel": "tests/test_expert_parallel.py trains tiny-moe",
            "tensor_parallel": "tests/test_tensor_parallel.py trains tiny-llama",
            "pipeline_parallel": "its stages are being reworked (interleaved schedules)"}
-PRESET_OF = {"tiny-llama": "llama", "tiny-moe": "mixtral"}
+PRESET_OF = {"tiny-llama": "llama", "tiny-moe": "mixtral", "tiny-qwen2": "qwen2", "tiny-qwen3-moe": "qwen3_moe",
+             "tiny-mistral": "mistral"}
+MOE = ("tiny-moe", "tiny-qwen3-moe")  # the router's load-balancing loss must be in what they train on
+# The presets shaped as checkpoints ship (bf16 storage, a tied head, router logits off, a sliding window) as causal
+# LMs; the classifier of the tied one (its head is a new score layer, the tie is the embedding's alone).
 CELLS = [("causal-lm", "tiny-llama"), ("causal-lm", "tiny-moe"), ("text-classification", "tiny-llama"),
-         ("text-classification", "tiny-moe")]
+         ("text-classification", "tiny-moe"), ("causal-lm", "tiny-qwen2"), ("causal-lm", "tiny-qwen3-moe"),
+         ("causal-lm", "tiny-mistral")]
 # ZeRO-3 rather than the row's first config (zero1): it partitions the parameters, where a model's own modules
 # (rotary buffers, the experts' stacked weights) meet DeepSpeed's hooks.
 CONFIG_OVERRIDE = {"zero": "zero3.yaml"}
@@ -83,8 +91,7 @@ class Cell:
         trained = TRAINS_FROM.get(self.recipe)
         model = (["--model_name_or_path", str(work / Cell(trained, self.task, self.preset).slug)] if trained
                  else ["--model_preset", self.preset])
-        save = [] if self.recipe in TRAINS_FROM.values() else ["--no_save_model"]
-        tail = [*recipe, *model, *RUN_ARGS, *save, "--output_dir", str(out)]
+        tail = [*recipe, *model, *RUN_ARGS, "--output_dir", str(out)]  # the model saved, as a user's run saves it
         if config is None:
             return [sys.executable, *tail] if probe else ["python", *tail]
         launch = ["accelerate", "launch", "--config_file", f"accelerate_configs/{config}"]
@@ -125,7 +132,9 @@ def run_cell(cell: Cell, work: Path, timeout: int) -> dict:
     if code == 0 and (out / "results.json").exists():
         r = json.loads((out / "results.json").read_text())
         problems = what_went_wrong(cell, r)
-        row.update(status="crashed" if problems else "trained", detail="; ".join(problems) or None,
+        saved, problem = reload_saved(cell, out)
+        problems += [problem] if problem else []
+        row.update(saved=saved, status="crashed" if problems else "trained", detail="; ".join(problems) or None,
                    train_loss=r.get("train_loss"), model_type=r.get("model_type"),
                    eval={k: r[k] for k in EVAL_KEYS if r.get(k) is not None},
                    router_aux_loss=r.get("router_aux_loss"), sharding=r.get("sharding"),
@@ -163,11 +172,38 @@ def what_went_wrong(cell: Cell, r: dict) -> list[str]:
         problems.append(f"train_loss {loss}")
     if r.get("model_type") != PRESET_OF[cell.preset]:
         problems.append(f"trained a {r.get('model_type')} model, not {PRESET_OF[cell.preset]} ({cell.preset})")
-    if cell.preset == "tiny-moe" and r.get("router_aux_loss") is None:
-        problems.append("tiny-moe trained without the router's load-balancing loss (no router_aux_loss reported)")
+    if cell.preset in MOE and r.get("router_aux_loss") is None:
+        problems.append(f"{cell.preset} trained without the router's load-balancing loss (no router_aux_loss)")
     if r.get("num_processes") != launch_of(cell.recipe)[1]:
         problems.append(f"{r.get('num_processes')} processes, not {launch_of(cell.recipe)[1]}")
     return problems
+
+
+def reload_saved(cell: Cell, out: Path) -> tuple[str | None, str | None]:
+    """(what the run saved, a problem or None): a whole model that from_pretrained loads with every weight found
+    (and a tied head tied again), or the recipe's own form (an adapter, a quantized model)."""
+    if (out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists():
+        import transformers
+
+        from shared.core.models import _AUTO_CLASS_NAMES
+
+        auto = getattr(transformers, _AUTO_CLASS_NAMES[cell.task])
+        try:
+            model, info = auto.from_pretrained(out, output_loading_info=True)
+        except Exception as err:  # noqa: BLE001  (what failed is the cell's detail)
+            return "model", f"from_pretrained failed on the saved model: {type(err).__name__}: {err}"[:600]
+        bad = {k: v for k, v in info.items() if v}
+        if bad:
+            return "model", f"from_pretrained of the saved model: {bad}"[:600]
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        if model.config.tie_word_embeddings and head is not None and head.weight is not embedding.weight:
+            return "model", "the saved model reloads untied (its config ties the head to the embedding)"
+        return "model", None
+    for name, kind in (("adapter_model.safetensors", "adapter"), ("adapter/adapter_model.safetensors", "adapter"),
+                       ("quantized_model.pt", "quantized model")):
+        if (out / name).exists():
+            return kind, None
+    return None, "no model saved"
 
 
 # ---------------------------------------------------------------- the probe: one recipe run, as launched
@@ -215,6 +251,16 @@ def machine() -> str:
             f"transformers {transformers.__version__}; {time.strftime('%Y-%m-%d')}")
 
 
+def saved_words(r: dict) -> str:
+    """What a trained cell saved: a model from_pretrained reloaded, the recipe's own form, or (a cell run before the
+    sweep saved models) nothing, by --no_save_model."""
+    if r["status"] != "trained":
+        return ""
+    if "--no_save_model" in r["command"]:
+        return "not asked (--no_save_model, an older run)"
+    return {"model": "model, reloaded"}.get(r.get("saved"), r.get("saved") or "")
+
+
 def write_outputs(rows: list[dict], json_path: Path, md_path: Path, note: str) -> None:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     report = {"machine": note, "run_args": RUN_ARGS, "skipped": SKIPPED,
@@ -228,7 +274,8 @@ def write_outputs(rows: list[dict], json_path: Path, md_path: Path, note: str) -
              "Each cell is a real run of the recipe, 2 steps on the built-in data (" + " ".join(RUN_ARGS[:10])
              + "), under the plainest launch its row of `shared/core/rules.py` allows: one process where it may, "
              "else the launch config its row names. **trained**: a finite loss, results.json's model_type the "
-             "preset's (llama / mixtral), and for tiny-moe the router's load-balancing loss reported. **refused**: "
+             "preset's, for a mixture of experts the router's load-balancing loss reported, and the saved model "
+             "loaded back with from_pretrained, every weight found and a tied head tied again. **refused**: "
              "stopped by the rule table with the reason and the fix (tests/test_decoder_presets.py asks the table "
              "again for each). **crashed**: anything else.", "",
              f"{counts['trained']} trained, {counts['refused']} refused, {counts['crashed']} crashed, of {len(rows)}. "
@@ -266,10 +313,11 @@ def write_outputs(rows: list[dict], json_path: Path, md_path: Path, note: str) -
         lines.append(f"- {', '.join(f'**{n}**' for n in names)} ({reason})")
     common = " ".join(RUN_ARGS)
     lines += ["", f"## Every run (each command ends with `{common} --output_dir <out>`)", "",
-              "| cell | status | model_type | seconds | command |", "|---|---|---|---|---|"]
+              "| cell | status | model_type | saved | seconds | command |", "|---|---|---|---|---|---|"]
     for r in rows:
         command = r["command"].replace(f" {common}", "").removesuffix(" --output_dir <out>")
-        lines.append(f"| {r['name']} | {r['status']} | {r.get('model_type') or ''} | {r['wall_s']} | `{command}` |")
+        lines.append(f"| {r['name']} | {r['status']} | {r.get('model_type') or ''} | {saved_words(r)} | {r['wall_s']} "
+                     f"| `{command}` |")
     md_path.write_text("\n".join(lines) + "\n")
 
 
@@ -284,7 +332,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--md", default=str(ROOT / "docs" / "results" / "decoder_presets.md"))
     ap.add_argument("--work_dir", default=str(ROOT / "docs" / "results" / "runs" / "decoder_presets"))
     ap.add_argument("--timeout", type=int, default=400, help="Seconds before a cell counts as hung.")
-    ap.add_argument("--update", action="store_true", help="Replace only the cells run now in the existing JSON.")
+    ap.add_argument("--update", action="store_true", help="Replace only the cells run now in the existing JSON "
+                    "(written after each cell).")
+    ap.add_argument("--cells", nargs="+", default=[], help="Exact cell names ('zero causal-lm tiny-qwen2'), in order.")
     ap.add_argument("--render", action="store_true", help="Only rewrite the table from the JSON (no runs).")
     args = ap.parse_args(argv)
     if args.render:
@@ -292,20 +342,32 @@ def main(argv: list[str] | None = None) -> list[dict]:
         write_outputs(report["rows"], Path(args.json), Path(args.md), report["machine"])
         return report["rows"]
     cells = [c for c in all_cells() if all(o in c.name for o in args.only)]
+    if args.cells:  # exact names, in the order given
+        cells = [c for name in args.cells for c in all_cells() if c.name == name]
     work = Path(args.work_dir)
     rows = []
     for cell in cells:
         rows.append(run_cell(cell, work, args.timeout))
         print(f"{rows[-1]['status']:8s} {cell.name} ({rows[-1]['wall_s']} s): "
               f"{(rows[-1].get('detail') or '').splitlines()[-1:] or ''}", flush=True)
-    note = machine()
-    if args.update and Path(args.json).exists():
-        previous = json.loads(Path(args.json).read_text())
-        new = {r["name"]: r for r in rows}
-        note = f"{previous['machine'].split(' (updated')[0]} (updated: {len(new)} cells on {time.strftime('%Y-%m-%d')})"
-        rows = [new.pop(r["name"], r) for r in previous["rows"]] + list(new.values())
-    write_outputs(rows, Path(args.json), Path(args.md), note)
-    return rows
+        if args.update:  # each cell kept as it ends: a long sweep stopped midway keeps what it ran
+            merged = _merge(rows, Path(args.json))
+    if not args.update or not rows:
+        write_outputs(rows, Path(args.json), Path(args.md), machine())
+        return rows
+    return merged
+
+
+def _merge(rows: list[dict], json_path: Path) -> list[dict]:
+    """Replace the committed cells run now (and add the new ones), then rewrite the table."""
+    note, previous = machine(), {"rows": []}
+    if json_path.exists():
+        previous = json.loads(json_path.read_text())
+        note = f"{previous['machine'].split(' (updated')[0]} (updated on {time.strftime('%Y-%m-%d')})"
+    new = {r["name"]: r for r in rows}
+    merged = [new.pop(r["name"], r) for r in previous["rows"]] + list(new.values())
+    write_outputs(merged, json_path, json_path.with_suffix(".md"), note)
+    return merged
 
 
 if __name__ == "__main__":

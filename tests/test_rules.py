@@ -156,7 +156,7 @@ _ASKS = [
     {"checkpoint_impl": "hf", "checkpoint_every": 2}, {"checkpoint_impl": "hf", "checkpoint_policy": "selective"},
     {"shard_vocab": True, "task": "image-classification"}, {"chunked_loss": True, "task": "text-classification"},
     {"model_given": False}, {"preset": "tiny-llama", "task": "image-classification"},
-    {"preset": "tiny-moe", "task": "text-classification"}, {"lone_launch": True},
+    {"preset": "tiny-qwen3-moe", "task": "image-classification"}, {"lone_launch": True}, {"weights": "bf16"},
     {"attention": "flash_attention_2", "on_accelerator": False}, {"async_checkpoint": True},
     {"dp_replicate_size": 3}, {"dp_replicate_size": 4}, {"parallelism_config": "tp=2"},  # HSDP; Accelerate's TP
     {"comm_hook": "fp16", "local_sgd_steps": 4}, {"comm_hook": "bf16", "on_accelerator": False},
@@ -178,6 +178,7 @@ _FACTS = [
     {"shard_vocab": True, "tp_plan_source": "own", "model_type": "llama"},
     {"model_type": "gpt2", "ep_dispatch": False}, {"experts": 4, "ep_degree": 3},
     {"recipe": "qat", "model_type": "mixtral", "linear_only": "fake-quantizes", "outside_linear": "mlp.experts"},
+    {"no_router_loss": "MixtralForSequenceClassification", "task": "text-classification"},
 ]
 
 

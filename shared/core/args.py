@@ -12,7 +12,10 @@ from difflib import get_close_matches
 
 from .errors import LaunchError
 
-PRESETS = ("tiny", "base", "tiny-llama", "tiny-moe")  # --model_preset (shared/core/models.py builds them)
+# --model_preset (shared/core/models.py builds them). The decoders: tiny-llama and tiny-moe as the recipes' own
+# (fp32, untied, router loss on, full attention), and three shaped as today's checkpoints ship (all stored in bf16).
+DECODERS = ("tiny-llama", "tiny-moe", "tiny-qwen2", "tiny-qwen3-moe", "tiny-mistral")
+PRESETS = ("tiny", "base", *DECODERS)
 
 TASKS = ("text-classification", "causal-lm", "image-classification")
 PACKING = ("concat", "per_document", "none")  # shared/tasks/packing.py
@@ -126,13 +129,21 @@ def parse_args(
                    help="Used when --model_name_or_path is unset. tiny: trains in seconds on CPU. base: the dimensions "
                         "of BERT-base / GPT-2 124M / ViT-B/16, random weights, for benchmarks. tiny-llama, tiny-moe: "
                         "a Llama-style decoder (RMSNorm, rotary, GQA, SwiGLU) and a Mixtral-style mixture of experts, "
-                        "for text tasks.")
+                        "for text tasks. As checkpoints ship (bf16 in config.json): tiny-qwen2 (head tied to the "
+                        "embedding), tiny-qwen3-moe (output_router_logits false), tiny-mistral (a 16-token sliding "
+                        "window).")
     g.add_argument("--tokenizer_name", default=None, help="Defaults to --model_name_or_path; unset: built locally.")
     g.add_argument("--disable_dropout", action="store_true",
                    help="Set every dropout probability to 0: runs that differ only in batching then match exactly.")
     g.add_argument("--trust_remote_code", action="store_true",
                    help="Run code shipped with a hub model. Off unless passed.")
     g.add_argument("--ignore_mismatched_sizes", action="store_true", help="A classifier of other labels: a new head.")
+    g.add_argument("--weights_dtype", default="fp32", choices=("fp32", "bf16", "auto"),
+                   help="The dtype the weights (and so their gradients and AdamW moments) train in. fp32: fp32 master "
+                        "weights, a bf16 checkpoint upcast on load; --mixed_precision bf16/fp16 then computes in 16 "
+                        "bits over them. bf16: pure bf16 on purpose (torchtune's choice: half the model-state memory, "
+                        "no fp32 copy). auto: as the checkpoint stores them (transformers' dtype='auto'), said on "
+                        "the console.")
     g.add_argument("--attn_implementation", default=None,
                    help="eager, sdpa, flash_attention_2 ... Unset: Transformers' choice (sdpa where the model has it).")
 

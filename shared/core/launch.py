@@ -202,7 +202,7 @@ def resolve_launch(
                      accumulation=accumulation, max_grad_norm=clipping, compile=torch_compile, lone_launch=lone,
                      packing=args.packing if args.task == "causal-lm" or "packing" in args.explicit_flags else "none",
                      parallelism_config=rules.launched_parallelism(os.environ),
-                     async_checkpoint=args.async_checkpoint,
+                     async_checkpoint=args.async_checkpoint, weights=args.weights_dtype,
                      preset="" if args.model_name_or_path else args.model_preset, **{"task": args.task, **asks})
     rules.check(run)  # the rule table: refused here, with the reason and the fix
     if launched == "fsdp" and fsdp_plugin is None:  # the launch config's FSDP settings, checked; the recipe passes it
@@ -228,6 +228,7 @@ def resolve_launch(
                           "Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv_backend c10d "
                           "(docs/multi_node.md).")
     resume_from = args.resume_from_checkpoint or ("latest" if restarts else None)
+    rundir.refuse_inputs(args, output_dir, resume_from)  # the user's model and data are never the output
     # A process that dies or hangs makes the others fail after this long instead of waiting forever.
     process_group = InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))
     cpu = False

@@ -174,10 +174,17 @@ def observe_compute_dtype(model: nn.Module) -> Callable[[], str | None]:
     linear = next((m for n, m in model.named_modules() if isinstance(m, nn.Linear) and "lora_" not in n
                    and type(m).__name__ not in ("Linear4bit", "Linear8bitLt")), None)
     if linear is None:
-        return lambda: None
+        def none() -> None:
+            return None
+        none.autocast = none
+        return none
 
     def hook(_module, _inputs, output):
         seen.setdefault("dtype", str(output.dtype).replace("torch.", ""))
+        device = output.device.type  # autocast as it was live in this forward (None: off)
+        if "autocast" not in seen:
+            seen["autocast"] = (str(torch.get_autocast_dtype(device)).replace("torch.", "")
+                                if torch.is_autocast_enabled(device) else None)
 
     handle = linear.register_forward_hook(hook)
 
@@ -185,7 +192,29 @@ def observe_compute_dtype(model: nn.Module) -> Callable[[], str | None]:
         handle.remove()
         return seen.get("dtype")
 
+    read.autocast = lambda: seen.get("autocast")  # the autocast dtype of that forward (None: no autocast)
     return read
+
+
+def precision_dtypes(model: nn.Module, optimizer: object) -> dict[str, str | None]:
+    """The dtypes training really used, read on live tensors after a step: the weights the model holds, the master
+    weights the optimizer steps (DeepSpeed's fp32 partitions beside bf16 weights), and its state (AdamW's moments;
+    a quantized optimizer's codes, or its state class). None where there is none (the state of a hook-stepped
+    optimizer)."""
+    def name(t: torch.Tensor | None) -> str | None:
+        if t is None:
+            return None
+        t = _local(t)
+        return type(t).__name__ if is_traceable_wrapper_subclass(t) else str(t.dtype).removeprefix("torch.")
+
+    stepping = stepping_optimizer(optimizer)
+    weights = next((p for p in model.parameters() if p.requires_grad), None)
+    groups = getattr(stepping, "param_groups", None) or []
+    master = next((p for g in groups for p in g["params"] if p.is_floating_point()), None)
+    states = getattr(stepping, "state", None) or {}
+    state = next((t for s in states.values() if isinstance(s, dict) for t in s.values()
+                  if isinstance(t, torch.Tensor) and t.ndim > 0), None)
+    return {"param_dtype": name(weights), "master_weights_dtype": name(master), "optimizer_state_dtype": name(state)}
 
 
 def compiled_modules(model: nn.Module) -> int:

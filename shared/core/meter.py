@@ -21,6 +21,7 @@ from .measure import (
     observe_compute_dtype,
     param_fingerprint,
     peak_memory_bytes,
+    precision_dtypes,
     reset_peak_memory,
     state_bytes,
     stepping_optimizer,
@@ -104,6 +105,8 @@ class Meter:
             self.tokens += sum(self.task.tokens_in(b) for b in batches)
         if self.state is None:
             self.state = state_bytes(self.model, self.optimizer)
+        if "master_weights_dtype" not in self.extras:  # measured once, as the states are: all alive now
+            self.extras.update(precision_dtypes(self.model, self.optimizer))
         self.step_loss = loss.detach().float()
         self.window.append(self.step_loss)
         if len(self.window) >= self.launch.args.logging_steps or step + 1 == self.bar.total:
@@ -158,6 +161,7 @@ class Meter:
             "train_samples_per_second": totals[0].item() / seconds,
             "train_tokens_per_second": totals[1].item() / seconds,
             "compute_dtype": self._read_dtype(),
+            "autocast_dtype": self._read_dtype.autocast(),
             "optimizer_class": type(stepping_optimizer(self.optimizer)).__name__,
             "memory_trace_bytes": self.memory_trace,
             **({"router_aux_loss": self.router_aux_loss} if self.router_aux_loss is not None else {}),

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import inspect
+import logging
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from .errors import InputError
@@ -36,7 +40,8 @@ def __getattr__(name: str) -> object:
 # Decoder presets (--model_preset; shared/core/args.py PRESETS): today's decoders (RMSNorm, rotary positions,
 # grouped-query attention, SwiGLU, an untied head), as Llama and Mixtral (a mixture of experts) build them. They
 # serve text: a causal LM, or a classifier on the last token.
-DECODER_PRESETS = {"tiny-llama": "llama", "tiny-moe": "mixtral"}
+DECODER_PRESETS = {"tiny-llama": "llama", "tiny-moe": "mixtral", "tiny-qwen2": "qwen2", "tiny-qwen3-moe": "qwen3_moe",
+                   "tiny-mistral": "mistral"}
 # 4 query heads share 2 key/value heads (GQA): 2 tensor-parallel processes each take 1 KV head and its 2 queries.
 _TINY_DECODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=128, max_position_embeddings=128, tie_word_embeddings=False)
@@ -44,6 +49,17 @@ _TINY_DECODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
 # Jitter off: it draws random numbers in the forward, so runs that differ only in batching would not match.
 _TINY_MOE = dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
                  router_jitter_noise=0.0)
+
+
+# Shaped as today's checkpoints ship (issue 33): stored in bf16 (config.json's dtype: --weights_dtype fp32, the
+# default, upcasts it); Qwen2.5 / Llama 3.2 1B-3B tie the head to the embedding; Qwen3-MoE and Mixtral ship
+# output_router_logits false (the recipes switch it on: models.train_router); Mistral and Gemma attend within a
+# sliding window (16 tokens here: shorter than the sequences the tests and the presets sweep train on).
+_SHIPPED = {"tiny-qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+            "tiny-qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                                      output_router_logits=False, router_aux_loss_coef=0.001,
+                                                      head_dim=16)),
+            "tiny-mistral": ("MistralConfig", dict(sliding_window=16))}
 
 
 def preset_config(task: str, preset: str, vocab_size: int = 30522, num_labels: int = 2,
@@ -58,6 +74,12 @@ def preset_config(task: str, preset: str, vocab_size: int = 30522, num_labels: i
     if preset in DECODER_PRESETS:
         if task == "image-classification":  # refused earlier by the rule table; a direct caller gets it here
             raise ValueError(f"--model_preset {preset} is a text model; --task image-classification needs a ViT")
+        if preset in _SHIPPED:
+            import transformers
+
+            name, shape = _SHIPPED[preset]
+            return getattr(transformers, name)(vocab_size=vocab_size, num_labels=num_labels,
+                                               **{**_TINY_DECODER, **shape}, dtype="bfloat16", **token_ids)
         if preset == "tiny-moe":
             return MixtralConfig(vocab_size=vocab_size, num_labels=num_labels, **_TINY_DECODER, **_TINY_MOE,
                                  **token_ids)
@@ -146,12 +168,73 @@ def check_fits_task(config: PretrainedConfig, task: str, name: str) -> None:
                          "in its config.json.")
 
 
+def router_loss_missing(config: PretrainedConfig, task: str) -> str:
+    """A mixture of experts (its config has output_router_logits) whose Transformers class for `task` returns no
+    router aux_loss (the MoE classifiers): that class's name, for the rule table ("": it returns one, or no MoE)."""
+    if getattr(config, "output_router_logits", None) is None:
+        return ""
+    import transformers
+
+    classes = getattr(transformers, _AUTO_CLASS_NAMES[task])._model_mapping
+    if type(config) not in classes:  # remote code brings its own classes: trusted to return what its config asks
+        return ""
+    cls = classes[type(config)]
+    output = inspect.signature(cls.forward).return_annotation
+    if isinstance(output, str):  # `from __future__ import annotations` in its module
+        output = getattr(sys.modules[cls.__module__], output, None) or getattr(transformers.modeling_outputs, output,
+                                                                               None)
+    return "" if "aux_loss" in getattr(output, "__dataclass_fields__", {}) else cls.__name__
+
+
+def train_router(config: PretrainedConfig, name: str) -> None:
+    """A mixture of experts trains its router's load-balancing loss, whatever the config shipped with: Mixtral's and
+    Qwen-MoE's published configs switch it off (it only matters in training)."""
+    if getattr(config, "output_router_logits", None) is False:
+        logging.getLogger("recipes").info("%s: output_router_logits set to True for training (the router's "
+                                          "load-balancing loss, router_aux_loss_coef %s)", name,
+                                          getattr(config, "router_aux_loss_coef", None))
+        config.output_router_logits = True
+
+
 def check_positions(config: PretrainedConfig, max_seq_length: int) -> None:
     """Tokens past the position embeddings crash the forward pass mid-run (an index error in the embedding)."""
     positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if positions and max_seq_length > positions:
         raise InputError(f"--max_seq_length {max_seq_length} exceeds the model's {positions} positions. "
                          f"Pass --max_seq_length {positions} or less.")
+
+
+def weights_dtype(args: argparse.Namespace, config: PretrainedConfig) -> torch.dtype:
+    """The dtype the weights train in (--weights_dtype): fp32 (a bf16 checkpoint upcast: fp32 master weights), bf16,
+    or auto: the dtype the config says the weights are stored in (transformers' dtype="auto"; none given: fp32)."""
+    choice = getattr(args, "weights_dtype", "fp32")
+    if choice != "auto":
+        return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
+    stored = getattr(config, "dtype", None)
+    return getattr(torch, stored) if isinstance(stored, str) else stored or torch.float32
+
+
+def check_weights_dtype(args: argparse.Namespace, config: PretrainedConfig, mixed_precision: str,
+                        main: bool = True) -> torch.dtype:
+    """The weights' training dtype, before any weight loads: refused under fp16 unless fp32; said aloud for auto."""
+    dtype, stored = weights_dtype(args, config), str(getattr(config, "dtype", None)).removeprefix("torch.")
+    name = str(dtype).removeprefix("torch.")
+    if dtype != torch.float32 and mixed_precision == "fp16":
+        why = "--weights_dtype bf16" if args.weights_dtype == "bf16" else f"--weights_dtype auto, stored in {stored}"
+        # GradScaler's loss scaling keeps small fp16 gradients from flushing to zero before they reach fp32 master
+        # weights; over 16-bit masters the update itself rounds away, and a bf16 weight past fp16's 65504 overflows.
+        raise InputError(f"--mixed_precision fp16 over {name} master weights ({why}): fp16 loss scaling protects "
+                         "small gradients on their way to fp32 master weights; over 16-bit masters the updates round "
+                         "away whatever the scale, and bf16 values beyond fp16's range (65504) overflow when autocast "
+                         "casts them. Pass --weights_dtype fp32 (the default: fp32 masters, the checkpoint upcast), "
+                         "or --mixed_precision bf16.")
+    if main and args.weights_dtype == "auto":
+        logging.getLogger("recipes").warning(
+            "--weights_dtype auto: the weights load in their stored dtype, %s%s", name, "" if dtype == torch.float32
+            else ": pure 16-bit training, no fp32 master copy (gradients and optimizer state in it too), unless the "
+            "sharding keeps one of its own (DeepSpeed; FSDP2 under mixed precision). --weights_dtype fp32 keeps fp32 "
+            "master weights.")
+    return dtype
 
 
 def build_model(args: argparse.Namespace, config: PretrainedConfig) -> nn.Module:
@@ -165,10 +248,13 @@ def build_model(args: argparse.Namespace, config: PretrainedConfig) -> nn.Module
                 setattr(config, key, 0.0)
     # Unset: Transformers picks (sdpa where the model has it). flash_attention_2 needs a GPU and flash-attn.
     attn = {"attn_implementation": args.attn_implementation} if getattr(args, "attn_implementation", None) else {}
+    train_router(config, model_source(args))
+    dtype = weights_dtype(args, config)  # read before from_pretrained/from_config rewrite config.dtype
     if args.model_name_or_path:
         return auto.from_pretrained(args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code,
-                                    ignore_mismatched_sizes=getattr(args, "ignore_mismatched_sizes", False), **attn)
-    return auto.from_config(config, **attn)
+                                    ignore_mismatched_sizes=getattr(args, "ignore_mismatched_sizes", False),
+                                    dtype=dtype, **attn)
+    return auto.from_config(config, dtype=dtype, **attn)
 
 
 def transformer_layers(model: nn.Module) -> nn.ModuleList:

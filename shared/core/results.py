@@ -142,9 +142,11 @@ def save_model(accelerator, model: torch.nn.Module, task, output_dir: str) -> No
             state_dict.pop(target, None)
     if state_dict is not None:
         state_dict = {name: _plain(t) for name, t in state_dict.items()}
-    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict,
-                              save_function=accelerator.save, safe_serialization=True)
-    if accelerator.is_main_process:
+    if accelerator.is_main_process:  # the gathered state is the main process's: ZeRO-3 hands the others None, on
+        # which save_pretrained would read their empty partitions (a mixture of experts' fused experts then fail
+        # transformers' reverse weight conversion: "chunk expects chunks to be greater than 0")
+        unwrapped.save_pretrained(output_dir, state_dict=state_dict, save_function=accelerator.save,
+                                  safe_serialization=True)
         task.save_preprocessing(output_dir)
         logger.info("saved model to %s", output_dir)
     accelerator.wait_for_everyone()

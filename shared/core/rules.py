@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from .args import OPTIMIZERS
+from .args import DECODERS, OPTIMIZERS
 from .errors import LaunchError
 
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -168,6 +168,8 @@ class Run:
     async_checkpoint: bool = False  # --async_checkpoint: checkpoints written in the background
     model_given: bool = True  # --model_name_or_path was passed (False: the recipe's own fresh preset)
     preset: str = ""  # --model_preset when no --model_name_or_path is given ("": a given model)
+    weights: str = "fp32"  # --weights_dtype: fp32 | bf16 | auto
+    no_router_loss: str = ""  # built: the MoE model class of the task that returns no router aux_loss ("": none)
     flags: Mapping[str, str] = field(default_factory=dict)
     extra: Mapping[str, object] = field(default_factory=dict)  # the techniques' fields (FIELDS), as given
 
@@ -310,6 +312,14 @@ RULES: list[Rule] = [
          lambda r: "fp16 under DeepSpeed needs a GPU: on CPU DeepSpeed refuses it ('Type fp16 is not supported on "
                    "your device')",
          lambda r: "use --mixed_precision bf16 (or no)"),
+    # DeepSpeed's ZeRO optimizers keep fp32 partitions of 16-bit weights (measured: bf16 weights, fp32 masters and
+    # moments), and Accelerate's FSDP2 mixed precision upcasts the sharded parameters: pure bf16 would not be what ran.
+    Rule(lambda r: r.weights == "bf16" and (r.sharding in _ZERO or r.sharding == "fsdp" and r.precision != "no"),
+         lambda r: f"--weights_dtype bf16 (pure bf16) under {launch_words(r)}"
+                   + (" with mixed precision" if r.sharding == "fsdp" else "") + ": it keeps fp32 master weights of "
+                   "its own, so the weights would not train in bf16",
+         lambda r: "pass --weights_dtype fp32 (fp32 masters, which this sharding keeps anyway)"
+                   + (", or --mixed_precision no for pure bf16 under FSDP2" if r.sharding == "fsdp" else "")),
     Rule(lambda r: bool(RECIPES[r.recipe].no_fp16) and r.precision == "fp16",
          lambda r: f"fp16 with recipes/{r.recipe}.py: {RECIPES[r.recipe].no_fp16}",
          lambda r: "use --mixed_precision bf16 or no"),
@@ -320,15 +330,16 @@ RULES: list[Rule] = [
 ]
 # The model presets' rules: read after a technique's own launch-time reasons, before the built facts' rules.
 _PRESETS = [
-    Rule(lambda r: r.preset in ("tiny-llama", "tiny-moe") and r.task == "image-classification",
+    Rule(lambda r: r.preset in DECODERS and r.task == "image-classification",
          lambda r: f"--model_preset {r.preset} is a decoder for text (Llama / Mixtral style), and --task "
                    "image-classification needs an image model",
          lambda r: "pass --task causal-lm or text-classification, or --model_preset tiny (ViT) for images"),
-    Rule(lambda r: r.preset == "tiny-moe" and r.task == "text-classification",
-         lambda r: "--model_preset tiny-moe with --task text-classification: Transformers' "
-                   "MixtralForSequenceClassification returns no router aux_loss, so the router's load-balancing loss "
-                   "would silently not train",
-         lambda r: "use --task causal-lm for the mixture of experts, or --model_preset tiny-llama to classify text"),
+    # Any source of the model (a preset, a directory, a hub id): read from its config in load_task.
+    Rule(lambda r: bool(r.no_router_loss),
+         lambda r: f"the model is a mixture of experts, and Transformers' {r.no_router_loss} (--task {r.task}) "
+                   "returns no router aux_loss, so the router's load-balancing loss would silently not train",
+         lambda r: "use --task causal-lm for the mixture of experts, or a dense model (--model_preset tiny-llama) to "
+                   "classify text", built=True),
 ]
 RULES += _PRESETS
 

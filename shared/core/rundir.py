@@ -59,6 +59,34 @@ def claim(args: argparse.Namespace, output_dir: str, resume: str | None) -> None
     os.pwrite(fd, record, 0)
 
 
+# What a run reads from: none of it may be, hold, or lie inside its output directory.
+READS = ("model_name_or_path", "tokenizer_name", "train_file", "validation_file", "train_dir", "validation_dir",
+         "dataset_name", "resume_from_checkpoint")
+
+
+def refuse_inputs(args: argparse.Namespace, output_dir: str, resume: str | None) -> None:
+    """The user's files are never the output: an --output_dir that is, holds or lies inside a path the run reads (the
+    model being fine-tuned, its tokenizer, the data, another run's checkpoint) is refused, --overwrite_output_dir or
+    not, which would delete them. Links are followed. A checkpoint of this run's own (output_dir/checkpoints/...) is
+    its resume."""
+    out = Path(output_dir).expanduser().resolve()
+    for name in READS:
+        value = resume if name == "resume_from_checkpoint" else getattr(args, name, None)
+        if not value or value == "latest" or not Path(value).expanduser().exists():  # a hub id reads no local path
+            continue
+        src = Path(value).expanduser().resolve()
+        if name == "resume_from_checkpoint" and out / "checkpoints" in src.parents:
+            continue
+        where = ("is" if src == out else "lies inside" if src in out.parents else "holds" if out in src.parents
+                 else "")
+        if where:
+            top = out if where == "holds" else src
+            raise CheckpointError(f"--output_dir {output_dir!r} {where} --{name} {value!r}, which this run reads: "
+                                  "its files would be overwritten (the model, checkpoints and results written "
+                                  "there), and the run's own files mixed with them. Pass an --output_dir apart "
+                                  f"from every input (e.g. {top.parent / (top.name + '-finetuned')}).")
+
+
 def _read_lock(fd: int) -> dict:
     try:
         record = json.loads(os.pread(fd, 1 << 20, 0) or b"{}")

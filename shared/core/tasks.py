@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import data, losses, models
+from . import data, losses, models, rules
 from .errors import InputError
 from .fsdp_launch import wrap_blocks
 
@@ -165,7 +165,11 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
     models.check_model_path(args.model_name_or_path)
     # The model must serve the task, and its position embeddings the sequence length: checked before the data is
     # read and tokenized (the preset's positions are those of the model built later).
-    models.check_positions(models.model_config(args), args.max_seq_length)
+    config = models.model_config(args)
+    models.check_positions(config, args.max_seq_length)
+    # A mixture of experts whose task class drops its router loss: refused by the rule table, before the data is read
+    rules.check_built(launch.recipe, task=args.task, no_router_loss=models.router_loss_missing(config, args.task))
+    models.check_weights_dtype(args, config, launch.mixed_precision, accelerator.is_main_process)
     if args.text_pair_column and args.task != "text-classification":
         raise InputError(f"--text_pair_column serves --task text-classification (sentence pairs), not {args.task}. "
                          "Drop it, or pass --task text-classification.")
