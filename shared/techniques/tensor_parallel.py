@@ -60,7 +60,13 @@ def apply_plan(model: nn.Module, family: str, mesh) -> dict[str, str]:
 
         # _expand_parallel_plan: transformers' own expansion of the plan's `layers.*` patterns to module names, as
         # from_pretrained(tp_plan="auto") applies it; pinned transformers==5.24 (requirements.txt).
-        apply_tensor_parallelism(model, mesh, model._expand_parallel_plan(model.tp_plan))
+        plan = model._expand_parallel_plan(model.tp_plan)
+        tied = _tied_parameters(model)
+        # A tied head's weight IS the embedding's: sharded once, by the embedding's style (apply_tensor_parallelism
+        # lists model.named_parameters(), which names a shared parameter once: a KeyError on 'lm_head.weight').
+        apply_tensor_parallelism(model, mesh, {k: v for k, v in plan.items() if k not in tied})
+        for target, source in tied.items():
+            _retie(model, target, source, plan, mesh)
         return dict(model.tp_plan)
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -68,6 +74,45 @@ def apply_plan(model: nn.Module, family: str, mesh) -> dict[str, str]:
     for block in transformer_layers(model):  # the weights become DTensors: this process keeps its shard
         parallelize_module(block, mesh, {name: styles[style]() for name, style in PLANS[family].items()})
     return PLANS[family]
+
+
+def _tied_parameters(model: nn.Module) -> dict[str, str]:
+    """{tied parameter: the parameter it shares}, e.g. {"lm_head.weight": "model.embed_tokens.weight"} for a model
+    with tie_word_embeddings (Qwen2.5, Llama 3.2 1B/3B, Gemma): the names that are one tensor in this model."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    first: dict[int, str] = {}
+    for name, p in named.items():
+        first.setdefault(id(p), name)
+    return {name: first[id(p)] for name, p in named.items() if first[id(p)] != name}
+
+
+def _placements(style_name: str | None, shape: torch.Size, mesh) -> tuple:
+    """The placements transformers' style `style_name` gives a weight of `shape` (built on the meta device, no data):
+    Shard(0) for both the vocab-parallel embedding and a column-wise head; () for no style (kept whole)."""
+    if style_name is None:
+        return ()
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    probe = nn.Module()
+    probe.weight = nn.Parameter(torch.empty(shape, device="meta"))
+    ALL_PARALLEL_STYLES[style_name].shard_param(probe, "weight", mesh)
+    return tuple(getattr(probe.weight, "placements", ()))
+
+
+def _retie(model: nn.Module, target: str, source: str, plan: dict[str, str], mesh) -> None:
+    """Point the tied `target` (the head's weight) at `source`'s parameter as apply_tensor_parallelism left it, when
+    the two styles lay the one [vocab, hidden] matrix out alike (the embedding split over the vocabulary and the head
+    column-wise: both Shard(0), as transformers' plans pair them). Else refused: the tie cannot hold both layouts."""
+    shared = model.get_parameter(source)
+    want, have = (_placements(plan.get(name), shared.shape, mesh) for name in (target, source))
+    if want != have:
+        raise LaunchError(
+            f"{target} is tied to {source} (tie_word_embeddings), and the model's tensor-parallel plan lays them out "
+            f"differently ({plan.get(target) or 'whole'}: {want or 'replicated'}; {plan.get(source) or 'whole'}: "
+            f"{have or 'replicated'}), so one shared weight cannot serve both. Fix: pass a model whose config has "
+            "tie_word_embeddings false, or use recipes/fsdp.py (it shards tied models).")
+    module_name, _, param_name = target.rpartition(".")
+    setattr(model.get_submodule(module_name), param_name, shared)
 
 
 def _fused_qkv_order(hidden: int, world: int) -> torch.Tensor:
