@@ -16,7 +16,8 @@ HEADS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 WINDOW = 8  # shorter than the tests' sequences, so the window changes the result
 
 
-def _config(kind: str, tokenizer):
+def config_of(kind: str, ids: dict):
+    """The config of `kind`; `ids`: vocab_size and the special token ids."""
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
@@ -26,8 +27,6 @@ def _config(kind: str, tokenizer):
         Qwen2Config,
     )
 
-    ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-               eos_token_id=tokenizer.eos_token_id)
     if kind == "qwen2-tied":  # Qwen2.5-0.5B / 1.5B: tied head, sliding window off
         return Qwen2Config(**HEADS, **ids, tie_word_embeddings=True)
     if kind == "llama-tied":  # Llama 3.2 1B: tied head, rope scaling llama3
@@ -57,7 +56,8 @@ def make_dir(root: Path, kind: str) -> Path:
     if (out / "config.json").exists():
         return out
     tokenizer = data.build_word_tokenizer(list(data.builtin_split("causal-lm", "train")["text"]), "causal-lm")
-    config = _config(kind, tokenizer)
+    config = config_of(kind, dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
     config.dtype = torch.float32
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
