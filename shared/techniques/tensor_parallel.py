@@ -21,7 +21,7 @@ from torch import nn
 from ..core import rules
 from ..core.checkpoint import STAGE_FILES
 from ..core.errors import LaunchError
-from ..core.models import transformer_layers
+from ..core.models import attention_features, transformer_layers
 from ..core.rules import Rule, unsplit
 
 # model_type -> {module inside each block: "colwise" | "rowwise"}; the pairs are (qkv -> out) and (up -> down).
@@ -61,6 +61,11 @@ def apply_plan(model: nn.Module, family: str, mesh) -> dict[str, str]:
         # _expand_parallel_plan: transformers' own expansion of the plan's `layers.*` patterns to module names, as
         # from_pretrained(tp_plan="auto") applies it; pinned transformers==5.24 (requirements.txt).
         plan = model._expand_parallel_plan(model.tp_plan)
+        # Sliding windows and soft caps act per head and per score: split heads keep them. Sinks are one parameter
+        # per head: split with the heads, or refused (shared/core/rules.py).
+        sinks = "attention sinks" in attention_features(model.config, model)
+        rules.check_built(tp_unsplit_sinks=sinks and any(k.endswith("q_proj.weight") for k in plan)
+                          and not any(k.endswith("sinks") for k in plan), model_type=model.config.model_type)
         tied = _tied_parameters(model)
         # A tied head's weight IS the embedding's: sharded once, by the embedding's style (apply_tensor_parallelism
         # lists model.named_parameters(), which names a shared parameter once: a KeyError on 'lm_head.weight').
@@ -337,6 +342,12 @@ RULES = (
                    f"for {sorted(r.tp_plans)} only",
          lambda r: "add its block's column/row-wise modules to shared/techniques/tensor_parallel.py PLANS, or use "
                    "recipes/fsdp.py (it shards any model)", built=True),
+    Rule(lambda r: r.tp_unsplit_sinks,
+         lambda r: f"The {r.model_type} model has attention sinks (one learned logit per head), and its "
+                   "tensor-parallel plan splits the attention heads but not the sinks: each process would hold every "
+                   "head's sink for its share of the heads",
+         lambda r: "add its `layers.*.self_attn.sinks` to the plan (transformers' GraniteSWA plan shards them "
+                   "colwise), or use recipes/fsdp.py", built=True),
     Rule(lambda r: r.shard_vocab and r.tp_plan_source == "own",
          lambda r: f"{r.flag('shard_vocab')} with the {r.model_type} model's own tensor-parallel plan: that plan "
                    "already splits the embedding and the head over the vocabulary, and gathers the logits for the loss",
@@ -351,5 +362,5 @@ RULES = (
 )
 rules.register(*RULES[1:], late=True)  # --shard_vocab's task reads after the presets' rules
 rules.register(RULES[0], fields=dict(
-    tensor_parallel_size=0, shard_vocab=False, model_type="", tp_plans=(), tp_plan_source="", tp_degree=0, heads=0,
-    kv_heads=0, mlp_width=0))
+    tensor_parallel_size=0, shard_vocab=False, tp_unsplit_sinks=False, model_type="", tp_plans=(), tp_plan_source="",
+    tp_degree=0, heads=0, kv_heads=0, mlp_width=0))

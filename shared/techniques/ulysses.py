@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from ..core import rules
-from ..core.losses import IGNORE, shift_labels, summed_cross_entropy
 from ..core.errors import TrainingError
+from ..core.losses import IGNORE, shift_labels, summed_cross_entropy
 from ..core.rules import RECIPES, Rule, unsplit
 
 ATTENTION = "ulysses"  # the name this module registers in Transformers' AttentionInterface ("sdpa" in it would
