@@ -62,14 +62,14 @@ def test_tensor_parallel_splits_a_tied_embedding_and_head_as_one_weight(models, 
     assert counts[0]["replicated"] == sum(t.numel() for k, t in one.items() if "norm" in k)  # norms alone whole
 
 
-CELLS = [("fsdp", "fsdp.yaml", "llama-tied"), ("zero", "zero3.yaml", "qwen2-tied"),
-         ("pipeline_parallel", "pipeline.yaml", "llama-tied"), ("fsdp", "fsdp.yaml", "qwen2-tied"),
-         ("zero", "zero3.yaml", "llama-tied"), ("pipeline_parallel", "pipeline.yaml", "qwen2-tied")]
 DEFAULT = {("fsdp", "llama-tied"), ("pipeline_parallel", "qwen2-tied")}  # the others: -m slow
 
 
 @pytest.mark.parametrize("recipe, config, kind", [
-    pytest.param(*c, marks=() if (c[0], c[2]) in DEFAULT else pytest.mark.slow) for c in CELLS])
+    pytest.param(*c, marks=() if (c[0], c[2]) in DEFAULT else pytest.mark.slow) for c in [
+        ("fsdp", "fsdp.yaml", "llama-tied"), ("zero", "zero3.yaml", "qwen2-tied"),
+        ("pipeline_parallel", "pipeline.yaml", "llama-tied"), ("fsdp", "fsdp.yaml", "qwen2-tied"),
+        ("zero", "zero3.yaml", "llama-tied"), ("pipeline_parallel", "pipeline.yaml", "qwen2-tied")]])
 def test_sharded_recipes_keep_the_tie_through_saving_and_resuming(recipe, config, kind, models, tmp_path):
     """One launch of the recipe as a user runs it (the model saved, a checkpoint halfway): it trains what one
     process trains on the same global batch, and the model it saves reloads tied. Slow: a second launch resumes the
