@@ -130,6 +130,26 @@ def test_tensor_parallel_carries_windows_and_caps(kind, tmp_path):
     assert max_param_diff(load_params(tmp_path / "one"), load_params(tmp_path / "tp")) <= PARAM_TOL
 
 
+def test_layer_types_written_for_neither_are_refused_by_name():
+    """A layer type other than full or sliding (Llama 4's chunked attention, a hybrid's linear attention): sequence
+    parallel and per-document packing would run it as plain attention, so they refuse it, naming it."""
+    from types import SimpleNamespace
+
+    from shared.core import rules
+    from shared.core.errors import InputError
+    from shared.tasks import packing
+    from shared.techniques import ulysses as sp
+
+    config = SimpleNamespace(layer_types=["chunked_attention", "full_attention"], num_hidden_layers=2)
+    assert attention_features(config) == {"chunked_attention layers": True}
+    drops = tuple(f for f in attention_features(config) if f not in sp.CARRIED)
+    with pytest.raises(RecipeError, match="chunked_attention layers: sequence parallel"):
+        rules.check_built(sp_drops=drops)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(InputError, match="chunked_attention"):
+        packing.per_document_inputs({"input_ids": ids, "position_ids": torch.arange(8)[None]}, "sdpa", config)
+
+
 def test_tensor_parallel_refuses_sinks_its_plan_does_not_split():
     from shared.core import rules
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..core.errors import InputError
+
 MAP_BATCH = 1000  # documents per datasets.map call; each call drops (train) or pads (eval) its own last block
 
 
@@ -150,6 +152,9 @@ def per_document_inputs(inputs: dict, attn_implementation: str, config=None) -> 
         from ..core.models import SLIDING, layer_attention_types
 
         kinds = set(layer_attention_types(config)) if config is not None else {"full_attention"}
+        if kinds - {SLIDING, "full_attention"}:  # chunked or linear attention: a document mask of its own kind
+            raise InputError(f"--packing per_document: the model has {sorted(kinds)} layers, and the document mask "
+                             "is written for full and sliding-window attention only. Fix: use --packing concat.")
         masks = {kind: document_attention_mask(inputs["position_ids"], mask, attn_implementation,
                                                config.sliding_window if kind == SLIDING else None) for kind in kinds}
         inputs["attention_mask"] = masks if len(masks) > 1 else next(iter(masks.values()))

@@ -21,8 +21,12 @@ from torch import nn
 from ..core import rules
 from ..core.errors import TrainingError
 from ..core.losses import IGNORE, shift_labels, summed_cross_entropy
+from ..core.models import attention_features
 from ..core.rules import RECIPES, Rule, unsplit
 
+# attention_features the local attention keeps (each per query, key or head); others (chunked or linear-attention
+# layers) are refused by name
+CARRIED = ("sliding window", "attention soft-capping", "final logit soft-capping", "attention sinks")
 ATTENTION = "ulysses"  # the name this module registers in Transformers' AttentionInterface ("sdpa" in it would
 # make Transformers check the model's sdpa support: Gemma 2 has none, for its soft cap)
 
@@ -114,7 +118,8 @@ def enable(model: nn.Module, world: int) -> None:
 
     cfg = model.config
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    rules.check_built(heads=cfg.num_attention_heads, kv_heads=kv_heads, sp_degree=world)  # shared/core/rules.py
+    rules.check_built(heads=cfg.num_attention_heads, kv_heads=kv_heads, sp_degree=world,  # shared/core/rules.py
+                      sp_drops=tuple(f for f in attention_features(cfg, model) if f not in CARRIED))
     ds_dist.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
     _DIST_ATTN[:] = [DistributedAttention(_Local(), torch.distributed.group.WORLD, scatter_idx=2, gather_idx=1)]
     AttentionInterface.register(ATTENTION, ulysses_attention)
@@ -170,10 +175,15 @@ RULES = (
                    + ("per-document masks are not exchanged between the chunks" if r.packing == "per_document" else
                       "padded samples of varying length do not split into equal chunks"),
          lambda r: "use --packing concat (the default)"),
+    Rule(lambda r: bool(r.sp_drops),
+         lambda r: f"The model's {', '.join(r.sp_drops)}: sequence parallel attends causally over the gathered "
+                   "sequence (within a sliding window, soft cap and sinks where the model has them), and would run "
+                   "these layers as plain attention",
+         lambda r: "use recipes/fsdp.py or recipes/baseline.py for this model", built=True),
     Rule(lambda r: r.sp_degree > 0 and bool(unsplit(r, r.sp_degree, heads=r.heads, kv_heads=r.kv_heads)),
          lambda r: f"The model's {r.heads} attention heads ({r.kv_heads} key/value heads) do not split over "
                    f"{r.sp_degree} processes: Ulysses gives each process heads/N of them",
          lambda r: "launch a divisor of the head count (--num_processes), or pick a model whose heads it divides",
          built=True),
 )
-rules.register(*RULES, fields=dict(seq_len=0, sp_degree=0, heads=0, kv_heads=0))
+rules.register(*RULES, fields=dict(seq_len=0, sp_degree=0, heads=0, kv_heads=0, sp_drops=()))
