@@ -110,12 +110,10 @@ def _retie(model: nn.Module, target: str, source: str, plan: dict[str, str], mes
     column-wise: both Shard(0), as transformers' plans pair them). Else refused: the tie cannot hold both layouts."""
     shared = model.get_parameter(source)
     want, have = (_placements(plan.get(name), shared.shape, mesh) for name in (target, source))
-    if want != have:
-        raise LaunchError(
-            f"{target} is tied to {source} (tie_word_embeddings), and the model's tensor-parallel plan lays them out "
-            f"differently ({plan.get(target) or 'whole'}: {want or 'replicated'}; {plan.get(source) or 'whole'}: "
-            f"{have or 'replicated'}), so one shared weight cannot serve both. Fix: pass a model whose config has "
-            "tie_word_embeddings false, or use recipes/fsdp.py (it shards tied models).")
+    rules.check_built(tp_tie_mismatch="" if want == have else (
+        f"{target} is tied to {source} (tie_word_embeddings), and the model's tensor-parallel plan lays them out "
+        f"differently ({plan.get(target) or 'whole'}: {want or 'replicated'}; {plan.get(source) or 'whole'}: "
+        f"{have or 'replicated'})"))
     module_name, _, param_name = target.rpartition(".")
     setattr(model.get_submodule(module_name), param_name, shared)
 
@@ -342,6 +340,10 @@ RULES = (
                    f"for {sorted(r.tp_plans)} only",
          lambda r: "add its block's column/row-wise modules to shared/techniques/tensor_parallel.py PLANS, or use "
                    "recipes/fsdp.py (it shards any model)", built=True),
+    Rule(lambda r: bool(r.tp_tie_mismatch),
+         lambda r: f"{r.tp_tie_mismatch}, so one shared weight cannot serve both",
+         lambda r: "pass a model whose config has tie_word_embeddings false, or use recipes/fsdp.py (it shards tied "
+                   "models)", built=True),
     Rule(lambda r: r.tp_unsplit_sinks,
          lambda r: f"The {r.model_type} model has attention sinks (one learned logit per head), and its "
                    "tensor-parallel plan splits the attention heads but not the sinks: each process would hold every "
@@ -362,5 +364,5 @@ RULES = (
 )
 rules.register(*RULES[1:], late=True)  # --shard_vocab's task reads after the presets' rules
 rules.register(RULES[0], fields=dict(
-    tensor_parallel_size=0, shard_vocab=False, tp_unsplit_sinks=False, model_type="", tp_plans=(), tp_plan_source="",
-    tp_degree=0, heads=0, kv_heads=0, mlp_width=0))
+    tensor_parallel_size=0, shard_vocab=False, tp_unsplit_sinks=False, tp_tie_mismatch="", model_type="", tp_plans=(),
+    tp_plan_source="", tp_degree=0, heads=0, kv_heads=0, mlp_width=0))

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from ..core import rules
-from ..core.errors import TrainingError
 from ..core.losses import IGNORE, shift_labels, summed_cross_entropy
 from ..core.models import attention_features
 from ..core.rules import RECIPES, Rule, unsplit
@@ -71,11 +70,7 @@ def _local_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mod
         return out  # sdpa_attention_forward returns [b, s, h/N, d]
     import sys
 
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    if eager is None:
-        raise TrainingError(f"{type(module).__name__} uses a sliding window, a soft cap or sinks, and its modeling "
-                            "file has no eager_attention_forward for sequence parallel to run them with. Fix: use "
-                            "recipes/baseline.py or recipes/fsdp.py for this model.")
+    eager = sys.modules[type(module).__module__].eager_attention_forward  # enable() refused a model without one
     if sinks is not None and sinks.shape[0] != q.shape[1]:  # training: this process's share of the heads
         share = q.shape[1]
         rank = torch.distributed.get_rank() if sinks.shape[0] == share * torch.distributed.get_world_size() else 0
@@ -109,6 +104,18 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return out, None  # [b, s/N, h, d], as Transformers' attention functions return
 
 
+def _drops(model: nn.Module) -> tuple[str, ...]:
+    """The model's attention features the local attention would drop: those not CARRIED, and the carried ones too when
+    the model's modeling file has no eager_attention_forward to run them with."""
+    import sys
+
+    found = attention_features(model.config, model)
+    drops = [f for f in found if f not in CARRIED]
+    if set(found) & set(CARRIED) and not hasattr(sys.modules[type(model).__module__], "eager_attention_forward"):
+        drops += [f"{f} (no eager_attention_forward in its modeling file)" for f in found if f in CARRIED]
+    return tuple(drops)
+
+
 def enable(model: nn.Module, world: int) -> None:
     """Swap the model's attention for the sequence-parallel one over all `world` processes (after the process group
     exists). Refuses a model whose heads do not split over them."""
@@ -119,7 +126,7 @@ def enable(model: nn.Module, world: int) -> None:
     cfg = model.config
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     rules.check_built(heads=cfg.num_attention_heads, kv_heads=kv_heads, sp_degree=world,  # shared/core/rules.py
-                      sp_drops=tuple(f for f in attention_features(cfg, model) if f not in CARRIED))
+                      sp_drops=_drops(model))
     ds_dist.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
     _DIST_ATTN[:] = [DistributedAttention(_Local(), torch.distributed.group.WORLD, scatter_idx=2, gather_idx=1)]
     AttentionInterface.register(ATTENTION, ulysses_attention)
