@@ -91,6 +91,64 @@ def verdict(recipe: str, config: str, tmp: Path, launch_args: Sequence[str] = ()
     raise AssertionError(f"{recipe} x {config}: main() returned without building an Accelerator")
 
 
+# The cells a test launches as a user runs them: `accelerate launch` with that config, the model saved and loaded
+# back (test file::function, decorators included: test_cells_marked_working_are_run_by_their_test reads it). Only
+# these are ✓ in docs/results/launch_grid.md; a pair that passes every start-up check but that no test runs to the
+# end is "s" (starts): it was not seen to train, save and reload.
+_TIED = "test_tied_embeddings.py::test_sharded_recipes_keep_the_tie_through_saving_and_resuming"
+RUN_BY_TESTS: dict[tuple[str, str], str] = {
+    ("baseline", "multi_cpu.yaml"): "test_exactness.py::test_ddp_equals_one_process",
+    ("gradient_accumulation", "multi_cpu.yaml"):
+        "test_exactness.py::test_accumulation_under_ddp_equals_one_large_batch",
+    ("chunked_loss", "fsdp.yaml"): "test_chunked_loss.py::test_two_processes_train_as_the_plain_one_process_run",
+    ("chunked_loss", "zero3.yaml"): "test_chunked_loss.py::test_two_processes_train_as_the_plain_one_process_run",
+    ("data_model_parallel", "data_model_parallel.yaml"):
+        "test_data_model_parallel.py::test_resumes_every_stage_of_every_replica_exactly",
+    ("expert_parallel", "multi_cpu.yaml"):
+        "test_expert_parallel.py::test_two_processes_train_like_one_each_holding_half_the_experts",
+    ("fsdp", "fsdp.yaml"): _TIED,
+    ("fsdp", "fsdp_offload.yaml"):
+        "test_fsdp.py::test_sharded_checkpoint_resumes_with_cpu_offload_to_the_uninterrupted_result",
+    ("fsdp", "hsdp.yaml"): "test_hsdp.py::test_the_halfway_checkpoint_resumes_to_the_uninterrupted_run",
+    ("pipeline_parallel", "pipeline.yaml"): _TIED,
+    ("sequence_parallel", "multi_cpu.yaml"):
+        "test_attention_variants.py::test_sequence_parallel_trains_like_one_process",
+    ("tensor_parallel", "multi_cpu.yaml"):
+        "test_tied_embeddings.py::test_tensor_parallel_splits_a_tied_embedding_and_head_as_one_weight",
+    ("tensor_parallel", "tp2_dp2.yaml"):
+        "test_tensor_parallel_2d.py::test_tp_x_dp_trains_like_one_process_and_resumes_exactly",
+    ("zero", "zero3.yaml"): _TIED,
+    ("zero", "zero2_offload.yaml"): "test_zero.py::test_zero2_offload_resume",
+    ("combined", "zero2_offload.yaml"): "test_zero.py::test_combined_zero2_offload_resume",
+    ("combined", "fsdp.yaml"): "test_launch_grid.py::test_combined_under_fsdp_trains_and_saves",
+    ("zero3_offload", "zero3_offload.yaml"): "test_zero.py::test_zero3_offload_two_processes",
+}
+# Checkpoints as they ship, run through a recipe by a test (recipe, config, the model's shape, the test). The test's
+# source names the recipe, the config and tests/shipped_models.py's kind.
+SHAPES: list[tuple[str, str, str, str]] = [
+    ("tensor_parallel", "multi_cpu.yaml", "qwen2-tied", RUN_BY_TESTS["tensor_parallel", "multi_cpu.yaml"]),
+    *[(r, c, kind, _TIED) for r, c in (("fsdp", "fsdp.yaml"), ("zero", "zero3.yaml"), ("pipeline_parallel",
+                                                                                    "pipeline.yaml"))
+      for kind in ("llama-tied", "qwen2-tied")],
+    ("sequence_parallel", "multi_cpu.yaml", "gemma2", RUN_BY_TESTS["sequence_parallel", "multi_cpu.yaml"]),
+    ("sequence_parallel", "multi_cpu.yaml", "gpt-oss", RUN_BY_TESTS["sequence_parallel", "multi_cpu.yaml"]),
+    *[("tensor_parallel", "multi_cpu.yaml", kind,
+       "test_attention_variants.py::test_tensor_parallel_carries_windows_and_caps")
+      for kind in ("gemma2", "gemma3", "mistral")],
+]
+WHAT = {"qwen2-tied": "Qwen2.5-style, tied head", "llama-tied": "Llama-3.2-1B-style, tied head",
+        "gemma2": "Gemma-2-style: sliding window, soft caps, tied head", "gemma3": "Gemma-3-style: sliding window",
+        "mistral": "Mistral-style: sliding window in every layer", "gpt-oss": "gpt-oss-style: sinks, sliding window"}
+
+
+def test_source(ref: str) -> str:
+    """The source of tests/<file>::<function>, its decorators included."""
+    file, name = ref.split("::")
+    source = (ROOT / "tests" / file).read_text()
+    at = source.index(f"def {name}(")
+    return source[source.rfind("\n\n\n", 0, at):source.find("\n\n\n", at)]
+
+
 _grid: dict[tuple[str, str], str | None] = {}
 
 
@@ -135,6 +193,24 @@ def test_every_pair_trains_or_is_refused_with_a_fix(tmp_path_factory):
     print(f"{sum(v is None for v in verdicts.values())} of {len(verdicts)} pairs train, the others are refused")
 
 
+def test_cells_marked_working_are_run_by_their_test(tmp_path_factory):
+    """Each ✓ cell's test launches that recipe under that config as a user does, with the model saved (no
+    --no_save_model) and loaded back; and the start-up sweep lets the pair through."""
+    verdicts = grid(tmp_path_factory)
+    for (recipe, config), ref in RUN_BY_TESTS.items():
+        source = test_source(ref)
+        named = f'"{config}"' in source or (config == "multi_cpu.yaml" and "config=" not in source)  # the default
+        assert "launch(" in source and f'"{recipe}"' in source and named, (recipe, config, ref)
+        assert "--no_save_model" not in source, (recipe, config, ref)
+        assert any(w in source for w in ("load_params", "from_pretrained", "reload(", "max_param_diff")), (
+            recipe, config, ref)
+        assert verdicts[recipe, config] is None, (recipe, config, verdicts[recipe, config])
+    for recipe, config, kind, ref in SHAPES:
+        source = test_source(ref)
+        assert f'"{recipe}"' in source and f'"{config}"' in source or config == "multi_cpu.yaml", (recipe, ref)
+        assert f'"{kind}"' in source and kind in WHAT, (recipe, kind, ref)
+
+
 def test_docs_grid_is_current(tmp_path_factory):
     docs = ROOT / "docs" / "results" / "launch_grid.md"
     assert docs.read_text() == table(grid(tmp_path_factory)), \
@@ -146,15 +222,21 @@ def table(verdicts: dict[tuple[str, str], str | None]) -> str:
     lines = ["<!-- generated by python tests/test_launch_grid.py; do not edit -->",
              "# Which recipe runs under which launch config", "",
              "Generated by `python tests/test_launch_grid.py`; the tests in that file check every cell through the "
-             "recipe's own start-up (the rule table, `shared/core/rules.py`) and launches a "
-             "sample for real. ✓ launched by a test on the recipe's default task, trained and saved its model; "
-             "c passes every start-up check, not launched by a test; R refused before anything is loaded (the "
+             "recipe's own start-up (the rule table, `shared/core/rules.py`). ✓ a test launches it as a user "
+             "does, the model saved and loaded back (`RUN_BY_TESTS` names the test); s starts: it passes every "
+             "check before loading, but no test runs it to the end; R refused before anything is loaded (the "
              "reasons are below).", "",
              "| recipe | " + " | ".join(short) + " |", "|---|" + "---|" * len(short)]
     for recipe in RECIPES:
-        ran = {(r, c) for r, c, _ in LAUNCHED}
-        cells = ["R" if verdicts[recipe, c] is not None else "✓" if (recipe, c) in ran else "c" for c in CONFIG_FILES]
+        cells = [("✓" if (recipe, c) in RUN_BY_TESTS else "s") if verdicts[recipe, c] is None else "R"
+                 for c in CONFIG_FILES]
         lines.append(f"| {recipe} | " + " | ".join(cells) + " |")
+    lines += ["", "## Checkpoints as they ship", "",
+              "Tiny models shaped like today's checkpoints (tests/shipped_models.py), launched, saved and loaded "
+              "back by the test named; -m slow marks the ones the default selection leaves out.", "",
+              "| recipe | config | model | test |", "|---|---|---|---|"]
+    for recipe, config, kind, ref in SHAPES:
+        lines.append(f"| {recipe} | {config.removesuffix('.yaml')} | {WHAT[kind]} | `{ref}` |")
     reasons: dict[str, list[str]] = {}
     for (recipe, config), message in verdicts.items():
         if message is not None:
@@ -183,15 +265,18 @@ def test_refused_pairs_stop_before_loading_when_launched(recipe, config, tmp_pat
     print(f"{recipe} x {config}: refused in {seconds:.1f} s")
 
 
-# The pairs a test launches for real, on the recipe's default task, the model saved: the grid's ✓ cells. combined x
-# fsdp.yaml passed the start-up checks and crashed in fully_shard (BERT's embeddings wrapped as a unit), so a cell
-# that only passes the checks is marked apart.
-LAUNCHED = [("combined", "fsdp.yaml", 2), ("qat", "multi_cpu.yaml", 2), ("optim_8bit", "bf16.yaml", 1),
-            ("activation_checkpointing", "multi_cpu.yaml", 2)]
+def test_combined_under_fsdp_trains_and_saves(tmp_path):
+    """combined x fsdp.yaml passed every start-up check and crashed in fully_shard (Accelerate's default wrap took
+    BERT's embeddings as a unit too): launched as a user does, on the default task, the model saved and loaded."""
+    r = launch("combined", tmp_path, "--max_train_steps", 3, "--max_train_samples", 128, "--max_eval_samples", 32,
+               config="fsdp.yaml")
+    assert r["num_processes"] == 2 and r["train_loss"] is not None
+    assert all(t.numel() > 0 for t in load_params(tmp_path).values())  # consolidated, not the shards
 
 
-@pytest.mark.parametrize("recipe, config, processes", [
-    LAUNCHED[0], *(pytest.param(*pair, marks=pytest.mark.slow) for pair in LAUNCHED[1:])])
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, config, processes", [("qat", "multi_cpu.yaml", 2), ("optim_8bit", "bf16.yaml", 1),
+                                                       ("activation_checkpointing", "multi_cpu.yaml", 2)])
 def test_allowed_pairs_train_as_asked_when_launched(recipe, config, processes, tmp_path):
     # One pair trains the mixture-of-experts decoder preset (DDP over 2 processes: its router loss reduced too).
     moe = ["--task", "causal-lm", "--model_preset", "tiny-moe"] if recipe == "activation_checkpointing" else []

@@ -33,7 +33,7 @@ def model_inputs(packing_mode: str, model) -> callable:
     def inputs(batch: dict) -> dict:
         batch = {**batch, "use_cache": False}
         if packing_mode == "per_document":
-            batch = packing.per_document_inputs(batch, model.config._attn_implementation)
+            batch = packing.per_document_inputs(batch, model.config._attn_implementation, model.config)
         return batch
     return inputs
 

@@ -20,7 +20,7 @@ from ..core import rules
 from ..core.checkpoint import STAGE_FILES
 from ..core.errors import LaunchError
 from ..core.losses import summed_loss as summed_loss  # the last stage's loss_fn: the spine's own
-from ..core.models import transformer_layers
+from ..core.models import SLIDING, attention_features, layer_attention_types, transformer_layers
 from ..core.rules import Rule
 
 
@@ -41,6 +41,10 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # Llama-style decoders: every stage keeps rotary_emb (no parameters), which gives each block its position_embeddings
     "llama": (("model.embed_tokens",), ("model.norm", "lm_head")),
 }
+# Decoders whose base model runs as Llama's (embeddings unscaled, each block given the rotary position_embeddings and
+# its layer type's mask, then the norm and the head), run by the "llama" stage forward.
+LLAMA_STYLE = ("llama", "qwen2", "qwen3", "mistral")
+CARRIED = ("sliding window",)  # attention_features a stage keeps (each block gets its layer type's mask)
 
 
 def split_layers(num_layers: int, num_stages: int, layers_per_stage: str | None = None,
@@ -65,11 +69,16 @@ def split_layers(num_layers: int, num_stages: int, layers_per_stage: str | None 
 
 
 def family_of(model: nn.Module) -> str:
+    """The FAMILIES entry whose stage forward runs this model; refuses (shared/core/rules.py) another family, or an
+    attention or head feature a stage would drop (soft caps, sinks), named as its config gives it."""
     kind = model.config.model_type
-    if kind in FAMILIES and not all(_has(model, name) for ends in FAMILIES[kind] for name in ends):
+    family = "llama" if kind in LLAMA_STYLE else kind
+    if family in FAMILIES and not all(_has(model, name) for ends in FAMILIES[family] for name in ends):
         kind = f"{kind} ({type(model).__name__})"  # another head than the one written here (a Llama classifier)
-    rules.check_built(model_type=kind, stage_families=tuple(FAMILIES))  # shared/core/rules.py
-    return kind
+    dropped = tuple(f for f in attention_features(model.config, model) if f not in CARRIED)
+    rules.check_built(model_type=kind, stage_families=tuple(sorted({*FAMILIES, *LLAMA_STYLE})),  # rules.py
+                      stage_drops=dropped)
+    return family
 
 
 def _has(model: nn.Module, name: str) -> bool:
@@ -115,12 +124,16 @@ class Stage(nn.Module):
 
             d = m.model
             h = d.embed_tokens(x) if self.is_first else x
+            from transformers.masking_utils import create_sliding_window_causal_mask
+
             pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-            mask = create_causal_mask(config=cfg, inputs_embeds=h, attention_mask=attention_mask, cache=None,
-                                      position_ids=pos)
+            types = layer_attention_types(cfg)  # a sliding window (Mistral, Qwen2's) in its layers' masks
+            masks = {kind: (create_sliding_window_causal_mask if kind == SLIDING else create_causal_mask)(
+                config=cfg, inputs_embeds=h, attention_mask=attention_mask, cache=None, position_ids=pos)
+                for kind in {types[i] for i in self.layers}}
             rotary = d.rotary_emb(h, position_ids=pos)  # (cos, sin): recomputed per stage, as cheap as sending it
             for i in self.layers:
-                h = self.blocks[i](h, attention_mask=mask, position_embeddings=rotary, position_ids=pos)
+                h = self.blocks[i](h, attention_mask=masks[types[i]], position_embeddings=rotary, position_ids=pos)
             return m.lm_head(d.norm(h)) if self.is_last else h
         if self.kind == "bert":
             b = m.bert
@@ -478,6 +491,12 @@ RULES = (
                    f"{r.stages_per_replica} stages ({r.flag('stages_per_replica')} must be at least 2)",
          lambda r: f"launch a multiple of {r.stages_per_replica} processes (e.g. --num_processes "
                    f"{2 * max(r.stages_per_replica, 2)}), or use recipes/pipeline_parallel.py for one replica"),
+    Rule(lambda r: bool(r.stage_drops),
+         lambda r: f"The model's {', '.join(r.stage_drops)} (in its config or parameters): pipeline stages run the "
+                   "blocks and the head themselves, with a causal mask per layer and no soft cap or sinks, so they "
+                   "would train another model than the one loaded",
+         lambda r: "use recipes/fsdp.py or recipes/zero.py (they run the model's own forward), or a model "
+                   "without it", built=True),
     Rule(lambda r: bool(r.model_type and r.stage_families) and r.model_type not in r.stage_families,
          lambda r: f"Pipeline stages are written for {sorted(r.stage_families)} models; this one is "
                    f"{r.model_type!r}",
@@ -494,4 +513,4 @@ RULES = (
 )
 rules.register(*RULES, fields=dict(
     microbatches=0, schedule_refuses="", schedule_takes=(), batch_size=0, stages_per_replica=0, model_type="",
-    stage_families=(), stages=0, layers=0, devices=0, device_kind=""))
+    stage_families=(), stage_drops=(), stages=0, layers=0, devices=0, device_kind=""))

@@ -21,7 +21,7 @@ from torch import nn
 from ..core import rules
 from ..core.checkpoint import STAGE_FILES
 from ..core.errors import LaunchError
-from ..core.models import transformer_layers
+from ..core.models import attention_features, transformer_layers
 from ..core.rules import Rule, unsplit
 
 # model_type -> {module inside each block: "colwise" | "rowwise"}; the pairs are (qkv -> out) and (up -> down).
@@ -60,7 +60,18 @@ def apply_plan(model: nn.Module, family: str, mesh) -> dict[str, str]:
 
         # _expand_parallel_plan: transformers' own expansion of the plan's `layers.*` patterns to module names, as
         # from_pretrained(tp_plan="auto") applies it; pinned transformers==5.24 (requirements.txt).
-        apply_tensor_parallelism(model, mesh, model._expand_parallel_plan(model.tp_plan))
+        plan = model._expand_parallel_plan(model.tp_plan)
+        # Sliding windows and soft caps act per head and per score: split heads keep them. Sinks are one parameter
+        # per head: split with the heads, or refused (shared/core/rules.py).
+        sinks = "attention sinks" in attention_features(model.config, model)
+        rules.check_built(tp_unsplit_sinks=sinks and any(k.endswith("q_proj.weight") for k in plan)
+                          and not any(k.endswith("sinks") for k in plan), model_type=model.config.model_type)
+        tied = _tied_parameters(model)
+        # A tied head's weight IS the embedding's: sharded once, by the embedding's style (apply_tensor_parallelism
+        # lists model.named_parameters(), which names a shared parameter once: a KeyError on 'lm_head.weight').
+        apply_tensor_parallelism(model, mesh, {k: v for k, v in plan.items() if k not in tied})
+        for target, source in tied.items():
+            _retie(model, target, source, plan, mesh)
         return dict(model.tp_plan)
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -68,6 +79,43 @@ def apply_plan(model: nn.Module, family: str, mesh) -> dict[str, str]:
     for block in transformer_layers(model):  # the weights become DTensors: this process keeps its shard
         parallelize_module(block, mesh, {name: styles[style]() for name, style in PLANS[family].items()})
     return PLANS[family]
+
+
+def _tied_parameters(model: nn.Module) -> dict[str, str]:
+    """{tied parameter: the parameter it shares}, e.g. {"lm_head.weight": "model.embed_tokens.weight"} for a model
+    with tie_word_embeddings (Qwen2.5, Llama 3.2 1B/3B, Gemma): the names that are one tensor in this model."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    first: dict[int, str] = {}
+    for name, p in named.items():
+        first.setdefault(id(p), name)
+    return {name: first[id(p)] for name, p in named.items() if first[id(p)] != name}
+
+
+def _placements(style_name: str | None, shape: torch.Size, mesh) -> tuple:
+    """The placements transformers' style `style_name` gives a weight of `shape` (built on the meta device, no data):
+    Shard(0) for both the vocab-parallel embedding and a column-wise head; () for no style (kept whole)."""
+    if style_name is None:
+        return ()
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    probe = nn.Module()
+    probe.weight = nn.Parameter(torch.empty(shape, device="meta"))
+    ALL_PARALLEL_STYLES[style_name].shard_param(probe, "weight", mesh)
+    return tuple(getattr(probe.weight, "placements", ()))
+
+
+def _retie(model: nn.Module, target: str, source: str, plan: dict[str, str], mesh) -> None:
+    """Point the tied `target` (the head's weight) at `source`'s parameter as apply_tensor_parallelism left it, when
+    the two styles lay the one [vocab, hidden] matrix out alike (the embedding split over the vocabulary and the head
+    column-wise: both Shard(0), as transformers' plans pair them). Else refused: the tie cannot hold both layouts."""
+    shared = model.get_parameter(source)
+    want, have = (_placements(plan.get(name), shared.shape, mesh) for name in (target, source))
+    rules.check_built(tp_tie_mismatch="" if want == have else (
+        f"{target} is tied to {source} (tie_word_embeddings), and the model's tensor-parallel plan lays them out "
+        f"differently ({plan.get(target) or 'whole'}: {want or 'replicated'}; {plan.get(source) or 'whole'}: "
+        f"{have or 'replicated'})"))
+    module_name, _, param_name = target.rpartition(".")
+    setattr(model.get_submodule(module_name), param_name, shared)
 
 
 def _fused_qkv_order(hidden: int, world: int) -> torch.Tensor:
@@ -292,6 +340,16 @@ RULES = (
                    f"for {sorted(r.tp_plans)} only",
          lambda r: "add its block's column/row-wise modules to shared/techniques/tensor_parallel.py PLANS, or use "
                    "recipes/fsdp.py (it shards any model)", built=True),
+    Rule(lambda r: bool(r.tp_tie_mismatch),
+         lambda r: f"{r.tp_tie_mismatch}, so one shared weight cannot serve both",
+         lambda r: "pass a model whose config has tie_word_embeddings false, or use recipes/fsdp.py (it shards tied "
+                   "models)", built=True),
+    Rule(lambda r: r.tp_unsplit_sinks,
+         lambda r: f"The {r.model_type} model has attention sinks (one learned logit per head), and its "
+                   "tensor-parallel plan splits the attention heads but not the sinks: each process would hold every "
+                   "head's sink for its share of the heads",
+         lambda r: "add its `layers.*.self_attn.sinks` to the plan (transformers' GraniteSWA plan shards them "
+                   "colwise), or use recipes/fsdp.py", built=True),
     Rule(lambda r: r.shard_vocab and r.tp_plan_source == "own",
          lambda r: f"{r.flag('shard_vocab')} with the {r.model_type} model's own tensor-parallel plan: that plan "
                    "already splits the embedding and the head over the vocabulary, and gathers the logits for the loss",
@@ -306,5 +364,5 @@ RULES = (
 )
 rules.register(*RULES[1:], late=True)  # --shard_vocab's task reads after the presets' rules
 rules.register(RULES[0], fields=dict(
-    tensor_parallel_size=0, shard_vocab=False, model_type="", tp_plans=(), tp_plan_source="", tp_degree=0, heads=0,
-    kv_heads=0, mlp_width=0))
+    tensor_parallel_size=0, shard_vocab=False, tp_unsplit_sinks=False, tp_tie_mismatch="", model_type="", tp_plans=(),
+    tp_plan_source="", tp_degree=0, heads=0, kv_heads=0, mlp_width=0))

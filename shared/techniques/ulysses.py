@@ -20,19 +20,64 @@ from torch import nn
 
 from ..core import rules
 from ..core.losses import IGNORE, shift_labels, summed_cross_entropy
+from ..core.models import attention_features
 from ..core.rules import RECIPES, Rule, unsplit
 
-ATTENTION = "ulysses_sdpa"  # the name this module registers in Transformers' AttentionInterface
+# attention_features the local attention keeps (each per query, key or head); others (chunked or linear-attention
+# layers) are refused by name
+CARRIED = ("sliding window", "attention soft-capping", "final logit soft-capping", "attention sinks")
+ATTENTION = "ulysses"  # the name this module registers in Transformers' AttentionInterface ("sdpa" in it would
+# make Transformers check the model's sdpa support: Gemma 2 has none, for its soft cap)
+
+
+def _mask(length: int, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive [1, 1, s, s] mask of causal attention, within `window` tokens when set (Transformers'
+    sliding_window_overlay: key > query - window)."""
+    q, k = torch.arange(length, device=device)[:, None], torch.arange(length, device=device)[None, :]
+    allowed = (k <= q) & ((k > q - window) if window else True)
+    return torch.zeros(length, length, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None,
+                                                                                                                None]
+
+
+class _HeadShare:
+    """The attention module as its eager function sees it for this process's heads: per-head parameters (gpt-oss's
+    sinks) cut to them. DeepSpeed's all-to-all gives process r the r-th contiguous block of heads."""
+
+    def __init__(self, module: nn.Module, sinks: torch.Tensor):
+        self._module, self.sinks = module, sinks
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._module, name)
 
 
 def _local_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, module: nn.Module,
                 **kwargs) -> torch.Tensor:
-    """Causal sdpa on the whole sequence for this process's heads: [b, s, h/N, d] in, [b, s, h/N, d] out."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    """Causal attention on the whole sequence for this process's heads: [b, s, h/N, d] in, [b, s, h/N, d] out.
 
+    Plain causal: torch's sdpa. A sliding window (kwargs["sliding_window"], as Mistral, Qwen2, Gemma and gpt-oss
+    pass it), a soft cap (kwargs["softcap"], Gemma 2) or sinks (module.sinks, gpt-oss): the model's own eager
+    attention function, with the causal (windowed) mask of the whole gathered sequence. Each is per query, key or
+    head, so on whole sequences for a share of the heads it gives what one process gives (tests/test_attention_
+    variants.py); dropped, the loss moved (Gemma-3-style, 6.1413 vs 6.1454 at a sequence past the window)."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # Transformers' layout, [b, h/N, s, d]
-    out, _ = sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)
-    return out  # sdpa_attention_forward returns [b, s, h/N, d]
+    length, window = q.shape[2], kwargs.get("sliding_window")
+    window = window if window and window < length else None  # a window the sequence fits in masks nothing
+    sinks = getattr(module, "sinks", None)
+    if window is None and not kwargs.get("softcap") and sinks is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        out, _ = sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)
+        return out  # sdpa_attention_forward returns [b, s, h/N, d]
+    import sys
+
+    eager = sys.modules[type(module).__module__].eager_attention_forward  # enable() refused a model without one
+    if sinks is not None and sinks.shape[0] != q.shape[1]:  # training: this process's share of the heads
+        share = q.shape[1]
+        rank = torch.distributed.get_rank() if sinks.shape[0] == share * torch.distributed.get_world_size() else 0
+        module = _HeadShare(module, sinks[rank * share:(rank + 1) * share])
+        kwargs.pop("s_aux", None)
+    out, _ = eager(module, q, k, v, _mask(length, window, q.dtype, q.device), **kwargs)
+    return out  # eager functions return [b, s, h/N, d] too
 
 
 class _Local(nn.Module):
@@ -49,16 +94,26 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                       attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
     """A Transformers attention function. Training: this process's chunk, exchanged by DeepSpeed's all-to-all.
     Evaluation (model.eval()): each process runs whole sequences itself, as one process would (data-parallel eval).
-    The mask is not used: a packed block (--packing concat) is plain causal, which sdpa's is_causal applies to the
-    whole gathered sequence (the model's own mask would be of the chunk's length)."""
+    The mask is not used: a packed block (--packing concat) is plain causal, which the local attention applies to the
+    whole gathered sequence (the model's own mask would be of the chunk's length), within the model's window."""
     kwargs.pop("is_causal", None)
     if not module.training:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+        return _local_sdpa(*(t.transpose(1, 2) for t in (query, key, value)), module, **kwargs), None
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, s/N, h, d]: DeepSpeed's batch-first layout
     out = _DIST_ATTN[0](q, k, v, 0, None, module=module, **kwargs)  # batch_dim_idx 0, no rotary here
     return out, None  # [b, s/N, h, d], as Transformers' attention functions return
+
+
+def _drops(model: nn.Module) -> tuple[str, ...]:
+    """The model's attention features the local attention would drop: those not CARRIED, and the carried ones too when
+    the model's modeling file has no eager_attention_forward to run them with."""
+    import sys
+
+    found = attention_features(model.config, model)
+    drops = [f for f in found if f not in CARRIED]
+    if set(found) & set(CARRIED) and not hasattr(sys.modules[type(model).__module__], "eager_attention_forward"):
+        drops += [f"{f} (no eager_attention_forward in its modeling file)" for f in found if f in CARRIED]
+    return tuple(drops)
 
 
 def enable(model: nn.Module, world: int) -> None:
@@ -70,7 +125,8 @@ def enable(model: nn.Module, world: int) -> None:
 
     cfg = model.config
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    rules.check_built(heads=cfg.num_attention_heads, kv_heads=kv_heads, sp_degree=world)  # shared/core/rules.py
+    rules.check_built(heads=cfg.num_attention_heads, kv_heads=kv_heads, sp_degree=world,  # shared/core/rules.py
+                      sp_drops=_drops(model))
     ds_dist.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
     _DIST_ATTN[:] = [DistributedAttention(_Local(), torch.distributed.group.WORLD, scatter_idx=2, gather_idx=1)]
     AttentionInterface.register(ATTENTION, ulysses_attention)
@@ -126,10 +182,15 @@ RULES = (
                    + ("per-document masks are not exchanged between the chunks" if r.packing == "per_document" else
                       "padded samples of varying length do not split into equal chunks"),
          lambda r: "use --packing concat (the default)"),
+    Rule(lambda r: bool(r.sp_drops),
+         lambda r: f"The model's {', '.join(r.sp_drops)}: sequence parallel attends causally over the gathered "
+                   "sequence (within a sliding window, soft cap and sinks where the model has them), and would run "
+                   "these layers as plain attention",
+         lambda r: "use recipes/fsdp.py or recipes/baseline.py for this model", built=True),
     Rule(lambda r: r.sp_degree > 0 and bool(unsplit(r, r.sp_degree, heads=r.heads, kv_heads=r.kv_heads)),
          lambda r: f"The model's {r.heads} attention heads ({r.kv_heads} key/value heads) do not split over "
                    f"{r.sp_degree} processes: Ulysses gives each process heads/N of them",
          lambda r: "launch a divisor of the head count (--num_processes), or pick a model whose heads it divides",
          built=True),
 )
-rules.register(*RULES, fields=dict(seq_len=0, sp_degree=0, heads=0, kv_heads=0))
+rules.register(*RULES, fields=dict(seq_len=0, sp_degree=0, heads=0, kv_heads=0, sp_drops=()))
