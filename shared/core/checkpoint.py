@@ -21,6 +21,7 @@ import torch
 
 from . import rules, rundir
 from .accelerate_compat import prepared_models, prepared_schedulers
+from .boundary import diagnose, loading
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -281,9 +282,14 @@ def find_checkpoint(launch: Launch, num_processes: int) -> Path | None:
         return None
     path = Path(wanted)
     if not path.is_dir():
-        raise CheckpointError(f"--resume_from_checkpoint {wanted!r} does not exist. Pass a directory under "
-                              f"{root} or 'latest'.")
+        found, fix = diagnose("checkpoint", wanted)
+        raise CheckpointError(f"--resume_from_checkpoint {wanted!r} {'does not exist' if not path.exists() else found}."
+                              f" {fix + ' ' if fix.startswith('Did') else ''}Pass a directory under {root} or "
+                              "'latest'.")
     problem = verify_checkpoint(path)
+    found, fix = diagnose("checkpoint", wanted)
+    if problem and found:  # a saved model, an adapter, a dataset: not a checkpoint at all
+        raise CheckpointError(f"--resume_from_checkpoint {wanted!r} is {found}. {fix}")
     if problem:
         raise CheckpointError(f"--resume_from_checkpoint {wanted!r} is not a complete checkpoint: {problem}. "
                               "Pass another checkpoint, or 'latest' to take the newest complete one.")
@@ -355,7 +361,8 @@ def resume(accelerator, launch: Launch, max_steps: int) -> tuple[int, int]:
                               f"{changes['learning_rate'][0]:g}, and recipes/{launch.recipe}.py keeps its schedulers "
                               "apart from Accelerate's, so a new rate cannot be applied on resume. Resume with the old "
                               "one.")
-    accelerator.load_state(str(path))
+    with loading("checkpoint", "--resume_from_checkpoint", path):  # verified, yet written by another version
+        accelerator.load_state(str(path))
     _resume_changes.update(changes)
     if "learning_rate" in changes:
         # The scheduler's state brought back the old peak learning rate (base_lrs): the new one applies from here,

@@ -23,12 +23,12 @@ def _rows(indices: list[int]) -> str:
 
 
 # ---------------------------------------------------------------- files
-def explain_unreadable(path: str, kind: str, err: Exception) -> SystemExit:
+def explain_unreadable(path: str, kind: str, err: Exception) -> InputError:
     """The refusal for a file `datasets` could not build a split from: the file, the line, the cause."""
     where = _first_bad_line(Path(path), kind)
     cause = err.__cause__ or err.__context__ or err
     detail = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
-    return SystemExit(f"{path}: cannot be read as {kind}{', ' + where if where else ''} ({detail}). Fix or remove "
+    return InputError(f"{path}: cannot be read as {kind}{', ' + where if where else ''} ({detail}). Fix or remove "
                       f"that {'line' if where else 'content'}, or save the file as UTF-8 {kind}.")
 
 
@@ -172,9 +172,9 @@ def label_index(mapping: dict) -> object:
 def check_images(paths: list, split: str) -> None:
     """Every image file decodes: a truncated one (an interrupted copy) opens and verifies, then crashes evaluation.
     All are decoded, as a sample would miss the one bad file; JPEGs in draft mode (scaled, yet every byte read)."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
-    broken = []
+    broken, odd = [], []
     for path in paths:
         if not isinstance(path, str):  # already decoded (a hub dataset's Image feature, the built-in arrays)
             continue
@@ -182,11 +182,17 @@ def check_images(paths: list, split: str) -> None:
             with Image.open(path) as image:
                 image.draft("RGB", (64, 64))
                 image.load()
+                if image.mode in ("I", "F"):  # 32-bit: convert("RGB") clips every value above 255 to white
+                    odd.append(f"{path} (mode {image.mode})")
         except Image.DecompressionBombError as err:  # PIL's guard: kept, and the user decides
             raise InputError(f"{path}: {err} Resize it (the model sees a few hundred pixels a side), or, trusting "
                              "the file, raise the limit before main(): PIL.Image.MAX_IMAGE_PIXELS = <pixels>.") from err
-        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as err:
+        except Exception as err:  # noqa: BLE001 (the loading boundary: whatever PIL raises on a file)
             broken.append(f"{path} ({type(err).__name__}: {err})")
+    if odd:
+        raise InputError(f"{len(odd)} {split} image(s) hold 32-bit integer or float pixels ({', '.join(odd[:_SHOWN])})"
+                         ": read as RGB every value above 255 would be white. Save them as 8- or 16-bit PNG "
+                         "(scaled to their range).")
     if broken:
         raise InputError(f"{len(broken)} {split} image(s) do not open or decode: {', '.join(broken[:_SHOWN])}. "
                          "Remove or replace them (a truncated file is often an interrupted copy: copy it again).")

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import data, losses, models
+from .boundary import loading
 from .errors import InputError
 
 if TYPE_CHECKING:
@@ -255,10 +256,8 @@ def tokenizer_for(args, texts: list[str]):
         raise InputError(f"{flag} {name!r} holds no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])} ...). Pass "
                          "--tokenizer_name with the tokenizer's directory or hub id (the checkpoint the model came "
                          "from), or save it there with tokenizer.save_pretrained(dir).")
-    try:
+    with loading("tokenizer", "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path", name):
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
-    except OSError as err:
-        raise models.unreachable(name, err) from None
     if tok.pad_token is None:  # GPT-2 style tokenizers have none; padding is masked out of the loss anyway
         tok.pad_token = tok.eos_token
     return tok
