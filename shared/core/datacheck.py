@@ -122,10 +122,41 @@ def check_label_values(values: list, column: str, split: str) -> None:
                          "those rows, or use a split with labels.")
 
 
+def check_roles(columns: dict[str, str | None]) -> None:
+    """One column in two roles (text and label, text and pair) trains the answer as the question: refused."""
+    seen: dict[str, str] = {}
+    for role, column in columns.items():
+        if column and column in seen:
+            raise InputError(f"The column {column!r} is used as both the {seen[column]} and the {role}: the model "
+                             f"would read its own {role}. Pass --{role.replace(' ', '_')}_column naming another "
+                             "column.")
+        if column:
+            seen[column] = role
+
+
+def check_spellings(values: list, column: str) -> None:
+    """Label values that differ only in case, spaces or number formatting ('pos'/'Pos', '1'/'1.0') would each train
+    as a class of their own: two classes where one was meant."""
+    groups: dict[object, dict] = {}
+    for v in set(values):
+        text = str(v).strip().casefold()
+        try:
+            norm: object = float(text)
+        except ValueError:
+            norm = text
+        groups.setdefault(norm, {})[_key(v)] = v  # 1, 1.0 and True are one class already (_key)
+    split = [sorted(map(repr, g.values())) for g in groups.values() if len(g) > 1]
+    if split:
+        shown = "; ".join(" / ".join(g) for g in split[:_SHOWN])
+        raise InputError(f"The label column {column!r} spells one class several ways ({shown}): each spelling would "
+                         "train as a class of its own. Write each label one way (same case, no spaces) in every split.")
+
+
 def label_set(train: list, val: list, column: str) -> tuple[list, dict]:
     """The classes a classifier learns, and how each label value maps to its index; refuses a label set that
     cannot train what the user meant. Integers 0..K-1 stay; anything else is numbered in sorted order (so labels
     1..5 train 5 classes, not 6 with a class 0 nothing ever trains). The values passed check_label_values."""
+    check_spellings(list(train) + list(val), column)
     train_keys = [_key(v) for v in train]
     counts = Counter(train_keys)
     if len(counts) < 2:

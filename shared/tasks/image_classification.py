@@ -32,6 +32,7 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     cols = [c for c in data.column_names(train_raw) if c != "classes"]
     image_col = data.pick_column(cols, args.image_column, data._IMAGE_GUESSES, "image", "image_column")
     label_col = data.pick_column(cols, args.label_column, data._LABEL_GUESSES, "label", "label_column")
+    datacheck.check_roles({"image": image_col, "label": label_col})
     for split, ds in given_splits(train_raw, val_raw):
         datacheck.check_label_values(list(ds[label_col]), label_col, split)
     if args.train_dir or args.train_file:  # image paths (the built-in and hub images are decoded arrays)
@@ -73,6 +74,8 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     train_dl, eval_dl = dataloaders(args, accelerator, train_ds, val_ds, None, batches)
     return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, processor=processor,
                 stats={"train_examples": len(train_ds)}, loss_fn=loss_fn,
+                columns=({"folders": f"{args.train_dir}/<class>/", "classes": ", ".join(folder_names)} if folder_names
+                         else {"image": image_col, "label": label_col}),
                 compute_metrics=compute_metrics)
 
 
