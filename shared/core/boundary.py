@@ -55,8 +55,8 @@ def explain(what: str, flag: str | None, path: object, err: BaseException | None
         first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
         reason = f" ({type(cause).__name__}: {first[:200]}{'...' if len(first) > 200 else ''})"
     fix = fix or _default_fix(what, flag)
-    return (f"{name}: could not load the {what}{': ' + found if found else ''}{reason}. {fix} "
-            f"(--debug or {DEBUG_ENV}=1 shows the library's traceback.)")
+    debug = f" (--debug or {DEBUG_ENV}=1 shows the library's traceback.)" if err is not None else ""
+    return f"{name}: could not load the {what}{': ' + found if found else ''}{reason}. {fix}{debug}"
 
 
 def _default_fix(what: str, flag: str | None) -> str:
