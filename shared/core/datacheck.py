@@ -219,7 +219,7 @@ def check_images(paths: list, split: str) -> None:
             raise InputError(f"{path}: {err} Resize it (the model sees a few hundred pixels a side), or, trusting "
                              "the file, raise the limit before main(): PIL.Image.MAX_IMAGE_PIXELS = <pixels>.") from err
         except Exception as err:  # noqa: BLE001 (the loading boundary: whatever PIL raises on a file)
-            broken.append(f"{path} ({type(err).__name__}: {err})")
+            broken.append(f"{path} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
     if odd:
         raise InputError(f"{len(odd)} {split} image(s) hold 32-bit integer or float pixels ({', '.join(odd[:_SHOWN])})"
                          ": read as RGB every value above 255 would be white. Save them as 8- or 16-bit PNG "

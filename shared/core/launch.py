@@ -46,6 +46,7 @@ def entrypoint(main: Callable[..., dict | None]) -> Callable[..., dict | None]:
             if debugging(argv):  # --debug / RECIPES_DEBUG=1: the library's traceback that caused it, then the message
                 traceback.print_exception(exc)
             if not error_file:
+                _repeat_after_launcher(str(exc))
                 raise SystemExit(str(exc)) from exc
             _write_refusal(error_file, str(exc))
             raise SystemExit(1) from None
@@ -58,6 +59,26 @@ def entrypoint(main: Callable[..., dict | None]) -> Callable[..., dict | None]:
             rundir.release()  # the output directory's lock (shared/core/rundir.py)
 
     return run
+
+
+def _repeat_after_launcher(message: str) -> None:
+    """`accelerate launch` of one process (no torch elastic, so no error file) answers any failed child with its own
+    CalledProcessError traceback, printed after the refusal: a helper process waits for the launcher to exit and
+    prints the refusal again, so that it is the last thing on the screen (the first copy stays, should it fail)."""
+    import subprocess
+    import sys
+
+    parent = os.getppid()
+    try:
+        launcher = Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return
+    if "ACCELERATE_DYNAMO_MODE" not in os.environ or "accelerate" not in launcher:
+        return
+    wait = ("import os, sys, time\nfor _ in range(500):\n    if not os.path.exists(f'/proc/{sys.argv[1]}'): break\n"
+            "    time.sleep(0.02)\nsys.stderr.write('\\n' + sys.argv[2] + '\\n')")
+    subprocess.Popen([sys.executable, "-c", wait, str(parent), f"{message}\n(the reason the launch above failed)"],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
 
 
 def _write_refusal(error_file: str, message: str) -> None:
