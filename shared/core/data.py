@@ -242,15 +242,29 @@ def _load_file(path: str):
     try:
         ds = datasets.load_dataset(kind, data_files={"train": path}, split="train", **options)
     except ValueError as err:
-        if "corresponds to no data" in str(err):  # datasets' words for a file with a header and no rows
+        if "corresponds to no data" in str(err) or _no_rows(path, kind):  # a file with a header and no rows
             raise InputError(f"The data file {path} is empty. Pass a file with rows.") from None
         raise datacheck.explain_unreadable(path, kind, err) from err
     except datasets.exceptions.DatasetGenerationError as err:
+        if _no_rows(path, kind):
+            raise InputError(f"The data file {path} is empty. Pass a file with rows.") from err
         raise datacheck.explain_unreadable(path, kind, err) from err
     if kind == "json" and len(ds) == 1 and all(isinstance(v, dict) for v in ds[0].values()):
         raise InputError(f"{path} is one JSON object of columns ({{column: {{row: value}}}}: pandas' df.to_json(path)"
                          '), not a record per row. Save it with df.to_json(path, orient="records", lines=True).')
     return ds
+
+
+def _no_rows(path: str, kind: str) -> bool:
+    """A parquet file of no rows (pyarrow's 'BatchSize must be greater than 0' in datasets)."""
+    if kind != "parquet":
+        return False
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows == 0
+    except Exception:  # noqa: BLE001 (not a parquet file at all: the caller explains that)
+        return False
 
 
 def _split_dict(d: dict[str, list]) -> tuple[dict, dict]:
@@ -321,6 +335,12 @@ def pick_column(columns: list[str], wanted: str | None, guesses: tuple[str, ...]
         if name in columns:
             return name
     pairs = " (sentence pairs such as GLUE's sentence1/sentence2: also --text_pair_column)" if what == "text" else ""
+    if columns and all(" " in c or c.strip().lstrip("-").replace(".", "", 1).isdigit() or c in ("True", "False")
+                       for c in columns[1:] + columns[:1]) and any(" " in c for c in columns):
+        # the column names read like values: a file without a header row, whose first row became the names
+        raise InputError(f"Found no {what} column among {columns}: these read like a row of data. If the file has no header row, "
+                         "add one naming the columns (e.g. text,label) as its first line; else pass "
+                         f"--{flag} naming the column.")
     raise InputError(f"Found no {what} column among {columns}. Pass --{flag} naming it{pairs}.")
 
 

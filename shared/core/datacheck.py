@@ -33,8 +33,18 @@ def explain_unreadable(path: str, kind: str, err: Exception) -> InputError:
 
 
 def _first_bad_line(path: Path, kind: str) -> str:
-    """'line N: why' for the first line that does not decode as UTF-8 or (json lines) does not parse."""
-    raw = path.read_bytes()
+    """'line N: why' for the first line that does not decode as UTF-8 or (json lines) does not parse. Binary
+    formats (parquet) have no lines; a compressed file's lines are its decompressed ones."""
+    import gzip
+
+    if kind not in ("csv", "json", "text"):
+        return ""
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix.lower() == ".gz" else path.read_bytes()
+    except OSError as err:
+        return f"it does not decompress ({err})"
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):  # a UTF-16 byte-order mark (Excel's 'Unicode text', PowerShell)
+        return "it is UTF-16 (its first bytes are a UTF-16 byte-order mark)"
     for number, line in enumerate(raw.split(b"\n"), start=1):
         try:
             text = line.decode("utf-8")
