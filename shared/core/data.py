@@ -338,9 +338,9 @@ def pick_column(columns: list[str], wanted: str | None, guesses: tuple[str, ...]
     if columns and all(" " in c or c.strip().lstrip("-").replace(".", "", 1).isdigit() or c in ("True", "False")
                        for c in columns[1:] + columns[:1]) and any(" " in c for c in columns):
         # the column names read like values: a file without a header row, whose first row became the names
-        raise InputError(f"Found no {what} column among {columns}: these read like a row of data. If the file has no header row, "
-                         "add one naming the columns (e.g. text,label) as its first line; else pass "
-                         f"--{flag} naming the column.")
+        raise InputError(f"Found no {what} column among {columns}: these read like a row of data. If the file "
+                         "has no header row, add one naming the columns (e.g. text,label) as its first line; else "
+                         f"pass --{flag} naming the column.")
     raise InputError(f"Found no {what} column among {columns}. Pass --{flag} naming it{pairs}.")
 
 
