@@ -116,7 +116,9 @@ def data_files(draw, root: Path) -> Mutated:
         path.write_bytes(gzip.compress(data) if fmt.endswith(".gz") and data else data)
     # 0 beside "1": a csv has no types (both read as numbers); a JSON array may read both as strings. Either trains
     # two classes of 20 rows (checked) or is refused; JSON lines refuse it (test_bad_inputs).
-    refuse = style == "mixed-case" or row_change in ("empty-text", "header-again", "empty-file", "header-only")
+    csv_like = fmt in ("csv", "tsv", "semicolon", "pipe")  # a header row repeated is a csv mistake
+    refuse = (style == "mixed-case" or row_change == "header-again" and csv_like
+              or row_change in ("empty-text", "empty-file", "header-only"))
     return Mutated(f"data {fmt} {style} {encoding} {row_change}", ["--train_file", str(path)],
                    classes={"a": N_ROWS // 2, "b": N_ROWS // 2}, must_refuse=refuse)
 
@@ -257,7 +259,8 @@ def model_dirs(draw, root: Path) -> Mutated:
         (model / "config.json").write_text((model / "config.json").read_text()[:-10])
     if change == "adapter-beside":
         (model / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "x"}))
-    refuse = change in ("no-weights", "no-config", "cut-weights", "bad-json", "adapter-beside")
+    refuse = change in ("no-weights", "no-config", "cut-weights", "bad-json", "adapter-beside") or (
+        change == "change-field" and fld == "model_type")  # BERT weights under a GPT-2 config: none would load
     return Mutated(f"model {change} {fld if 'field' in change else ''}",
                    ["--model_name_or_path", str(model), "--train_file", str(_data(root)), "--max_seq_length", "32"],
                    classes={"a": N_ROWS // 2, "b": N_ROWS // 2}, must_refuse=refuse)

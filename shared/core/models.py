@@ -167,10 +167,28 @@ def build_model(args: argparse.Namespace, config: PretrainedConfig) -> nn.Module
     attn = {"attn_implementation": args.attn_implementation} if getattr(args, "attn_implementation", None) else {}
     if args.model_name_or_path:
         with loading("model", "--model_name_or_path", args.model_name_or_path):
-            return auto.from_pretrained(args.model_name_or_path, config=config,
-                                        trust_remote_code=args.trust_remote_code,
-                                        ignore_mismatched_sizes=getattr(args, "ignore_mismatched_sizes", False), **attn)
+            model, info = auto.from_pretrained(
+                args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code,
+                ignore_mismatched_sizes=getattr(args, "ignore_mismatched_sizes", False), output_loading_info=True,
+                **attn)
+        check_loaded(args.model_name_or_path, model, info)
+        return model
     return auto.from_config(config, **attn)
+
+
+def check_loaded(name: str, model: nn.Module, info: dict) -> None:
+    """Weights of the model's body that the checkpoint lacks would train from random values while the run reports
+    fine-tuning `name` (a config.json whose model_type or sizes were edited, weights of another model): refused.
+    Outside the body (a new task head: classifier, score, DistilBERT's pre_classifier) and a pooler, missing weights
+    are expected: they are what fine-tuning a classifier starts from random."""
+    body = getattr(model, "base_model_prefix", "") + "."
+    missing = [k for k in info.get("missing_keys", []) if k.startswith(body) and ".pooler." not in k]
+    if missing:
+        total = sum(1 for _ in model.state_dict())
+        raise InputError(f"--model_name_or_path {name!r}: {len(missing)} of the model's {total} weights are not in "
+                         f"its checkpoint (e.g. {missing[:3]}) and would start from random values: config.json does "
+                         "not describe these weights (an edited model_type or size, or another model's weights). "
+                         "Save the model again with save_pretrained, or fix config.json.")
 
 
 def transformer_layers(model: nn.Module) -> nn.ModuleList:
