@@ -757,6 +757,19 @@ CASES = [
     Case("model-dir-typo", "a near-miss spelling of a model folder", [],
          ["does not exist", "Did you mean"],
          setup=lambda t: ["--model_name_or_path", str(_classifier_dir(t, 2)).replace("classifier", "clasifier")]),
+    # ---- found by tests/test_fuzz_inputs.py while the boundary was built (its regression rows)
+    Case("headerless-csv", "a csv without a header row (its first row became the column names)", [],
+         ["these read like a row of data", "add one naming the columns"],
+         setup=lambda t: ["--train_file", _write(t / "nohead.csv", "".join(f"{a},{b}\n" for a, b in _ROWS))]),
+    Case("empty-parquet", "a parquet file of no rows (pyarrow's 'BatchSize must be greater than 0')", [],
+         ["is empty"], setup=lambda t: ["--train_file", _parquet(t, rows=0)]),
+    Case("utf16-csv", "a UTF-16 csv (Excel's 'Unicode text')", [], ["it is UTF-16", "save the file as UTF-8"],
+         setup=lambda t: ["--train_file", _encoded(t, "utf-16")]),
+    Case("gz-not-utf8", "a .jsonl.gz whose text is latin-1 (the compressed bytes were blamed before)", [],
+         ["line 1 is not UTF-8", "train.jsonl.gz"], setup=lambda t: ["--train_file", _gz_latin1(t)]),
+    Case("edited-model-type", "config.json's model_type edited (BERT weights under a GPT-2 config trained from "
+         "random values)", ["--max_seq_length", "32"], ["weights are not in its checkpoint", "random values"],
+         setup=lambda t: ["--model_name_or_path", _retyped(t), "--train_file", _table(t)]),
 ]
 # The earlier rows whose fix is a flag or a recipe, followed (argv, recipe, env); the others' fix is in the data, a
 # pip install, or a launch of several processes (test_following_a_launch_fix_clears_the_rule).
@@ -824,6 +837,40 @@ def _big_tokenizer(tmp: Path) -> Path:
 
     path = tmp / "big-tokenizer"
     build_word_tokenizer([f"w{i}" for i in range(60000)], "text-classification", vocab_size=40000).save_pretrained(path)
+    return path
+
+
+def _parquet(tmp: Path, rows: int) -> Path:
+    import pandas as pd
+
+    path = tmp / "train.parquet"
+    pd.DataFrame({"text": [a for a, _ in _ROWS][:rows], "label": [b for _, b in _ROWS][:rows]}).to_parquet(path)
+    return path
+
+
+def _encoded(tmp: Path, encoding: str) -> Path:
+    path = tmp / "train.csv"
+    path.write_bytes(("text,label\n" + "".join(f"{a},{b}\n" for a, b in _ROWS)).encode(encoding))
+    return path
+
+
+def _gz_latin1(tmp: Path) -> Path:
+    import gzip
+    import json
+
+    path = tmp / "train.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps({"text": "x", "label": b}, ensure_ascii=False)
+                                           .replace('"x"', f'"caf\xe9 {a}"') + "\n"
+                                           for a, b in _ROWS).encode("latin-1")))
+    return path
+
+
+def _retyped(tmp: Path) -> Path:
+    import json
+
+    path = _classifier_dir(tmp, labels=2)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     return path
 
 

@@ -107,9 +107,9 @@ def data_files(draw, root: Path) -> Mutated:
     else:
         rows = [] if row_change == "header-only" else records
         if fmt == "json-array":
-            text = json.dumps(rows)
+            text = json.dumps(rows, ensure_ascii=False)
         else:
-            text = "".join(json.dumps(r) + "\n" for r in rows)
+            text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
             if row_change == "blank-line":
                 text = text.replace("\n", "\n\n", 1)
         data = b"" if row_change == "empty-file" else text.encode(encoding)

@@ -249,6 +249,10 @@ def _load_file(path: str):
         if _no_rows(path, kind):
             raise InputError(f"The data file {path} is empty. Pass a file with rows.") from err
         raise datacheck.explain_unreadable(path, kind, err) from err
+    try:  # Arrow checks UTF-8 only when a cell is read: a compressed file's bad bytes surfaced mid-build
+        ds.data.table.validate(full=True)
+    except Exception as err:  # noqa: BLE001 (pyarrow.ArrowInvalid: which line, said by explain_unreadable)
+        raise datacheck.explain_unreadable(path, kind, err) from err
     if kind == "json" and len(ds) == 1 and all(isinstance(v, dict) for v in ds[0].values()):
         raise InputError(f"{path} is one JSON object of columns ({{column: {{row: value}}}}: pandas' df.to_json(path)"
                          '), not a record per row. Save it with df.to_json(path, orient="records", lines=True).')

@@ -223,7 +223,6 @@ def resolve_launch(
                      async_checkpoint=args.async_checkpoint,
                      preset="" if args.model_name_or_path else args.model_preset, **{"task": args.task, **asks})
     rules.check(run)  # the rule table: refused here, with the reason and the fix
-    check_leftover_rendezvous(args)
     check_environment(mixed_precision, uses_deepspeed=sharding.startswith("zero"))
     home = Path(os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
                                                   "huggingface"))  # datasets and Transformers cache what they load
@@ -277,6 +276,7 @@ def claim_output_dir(launch: Launch) -> None:
 
 def configure_process(launch: Launch) -> None:
     """Right after resolve_launch, before Accelerator(...): what this process's environment needs for the launch."""
+    check_leftover_rendezvous(launch.args)  # last before Accelerator(...), which would wait for the peers
     # Two processes on two cores with torch's default thread count oversubscribe the CPU: a 3 s run took 83 s.
     if not launch.run.on_accelerator and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
