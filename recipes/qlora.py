@@ -38,6 +38,7 @@ from shared.techniques.deepspeed_setup import gathered_parameters
 from shared.techniques.quant import (
     COMPUTE_DTYPES,
     check_linear_only,
+    check_lora_targets,
     checkpoint_trainable_only,
     head_names,
     lora_grad_report,
@@ -100,6 +101,7 @@ def main(argv=None) -> dict:
     sharded = launch.run.sharded_params  # ZeRO-3 or FSDP: they place the (quantized) shards themselves
     task = load_task(launch, accelerator)
     check_linear_only(task.model, RECIPE, f"quantizes (bitsandbytes, {args.load_in})")  # experts not nn.Linear
+    check_lora_targets(task.model, args.lora_target_modules)  # before PEFT, even under --preflight
     out = Path(launch.output_dir)
 
     # The base checkpoint to quantize: the given one, or the preset model written out once.

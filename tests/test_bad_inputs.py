@@ -230,7 +230,8 @@ CASES = [
          ["does not exist", "leave it unset to build a model from --model_preset"]),
     Case("unreachable-hub-model", "a hub id that cannot be fetched (offline, or a typo)",
          ["--model_name_or_path", "no-such-org/no-such-model"],
-         ["Could not load 'no-such-org/no-such-model'", "pass a local directory"]),
+         ["--model_name_or_path 'no-such-org/no-such-model': could not load the config",
+          "the hub did not serve it", "pass a local directory"]),
     Case("missing-text-column", "a text column that is not in the data", ["--text_column", "body"],
          ["--text_column 'body' is not a column", "review", "Pass --text_column with one of them"],
          setup=lambda t: ["--train_file", _csv(t)]),
@@ -300,7 +301,8 @@ CASES = [
          "its 32-bit CPU Adam)", ["--optim", "adamw_bnb_8bit"], ["would silently not be used",
                                                                  "Drop --optim adamw_bnb_8bit"],
          recipe="combined", env={"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
-                                 "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}),
+                                 "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
+                                 "ACCELERATE_CONFIG_DS_FIELDS": ""}),  # as accelerate launch sets it
     Case("selective-without-checkpointing", "a selective checkpointing policy with checkpointing off",
          ["--checkpointing_policy", "selective"], ["--gradient_checkpointing is off", "Add --gradient_checkpointing"],
          recipe="combined", fix=["--checkpointing_policy", "selective", "--gradient_checkpointing"]),
@@ -676,6 +678,98 @@ CASES = [
          ["would read their dead peers' addresses", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --rdzv_backend c10d"],
          env={"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}, fix=[],
          fix_env={"TORCHELASTIC_USE_AGENT_STORE": "False"}),
+    # ---- issue 37's trial: each finding a row (the classes: tests/test_boundary.py, tests/test_fuzz_inputs.py)
+    Case("zero-byte-jsonl", "an empty (0-byte) .jsonl training file (datasets' StopIteration)", [],
+         ["--train_file", "is empty (0 bytes)", "Pass the file with its rows"],
+         setup=lambda t: ["--train_file", _write(t / "train.jsonl", "")]),
+    Case("zero-byte-validation", "an empty (0-byte) validation file", [],
+         ["--validation_file", "is empty (0 bytes)"],
+         setup=lambda t: ["--train_file", _table(t), "--validation_file", _write(t / "val.csv", "")]),
+    Case("zero-byte-txt", "an empty (0-byte) .txt for a causal LM (called 'not UTF-8' before)", ["--task", "causal-lm"],
+         ["--train_file", "is empty (0 bytes)"], setup=lambda t: ["--train_file", _write(t / "train.txt", "")]),
+    Case("adapter-as-model", "a PEFT adapter folder as --model_name_or_path (transformers' 'Unrecognized model')", [],
+         ["a PEFT adapter", "not a whole model", "Pass its base model as --model_name_or_path ('my-org/base')",
+          "merge_and_unload"], setup=lambda t: ["--model_name_or_path", _adapter_dir(t)]),
+    Case("checkpoint-as-model", "a checkpoints/step_N folder as --model_name_or_path", [],
+         ["a training checkpoint", "not a saved model", "--resume_from_checkpoint"],
+         setup=lambda t: ["--model_name_or_path", _finished_checkpoint(t)]),
+    Case("model-as-checkpoint", "--resume_from_checkpoint naming a finished model folder (called 'the save did not "
+         "finish' before)", [], ["is a saved model", "not a checkpoint", "--model_name_or_path"],
+         setup=lambda t: ["--resume_from_checkpoint", _classifier_dir(t, labels=2)]),
+    Case("lora-target-typo", "--lora_target_modules naming a layer the model lacks (PEFT's NoMatchingPeftModuleError,"
+         " even under --preflight)", ["--lora_target_modules", "query,value,nonexistent_proj", "--preflight"],
+         ["nonexistent_proj match(es) no layer", "all-linear"], recipe="qlora"),
+    Case("leftover-world-size", "a WORLD_SIZE left in the shell (Accelerate's 'MASTER_ADDR env was not set')", [],
+         ["WORLD_SIZE=2 is set in the environment", "no launcher started this run", "unset WORLD_SIZE"],
+         env={"WORLD_SIZE": "2"}),
+    Case("leftover-rendezvous", "WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT left in the shell (waited out "
+         "--ddp_timeout, then DistStoreError)", [],
+         ["WORLD_SIZE=2, RANK=1, MASTER_ADDR=127.0.0.1, MASTER_PORT=29511 are set", "would wait for peers",
+          "unset WORLD_SIZE RANK MASTER_ADDR MASTER_PORT"],
+         env={"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}),
+    Case("leftover-mixed-precision", "ACCELERATE_MIXED_PRECISION=fp16 left in the shell of a plain run (it computed "
+         "in fp16 unasked)", [], ["ACCELERATE_MIXED_PRECISION=fp16 is set in the environment",
+                                  "Pass --mixed_precision fp16", "unset ACCELERATE_MIXED_PRECISION"],
+         env={"ACCELERATE_MIXED_PRECISION": "fp16"}),
+    Case("leftover-use-fsdp", "ACCELERATE_USE_FSDP left in the shell (blamed on 'the launch config' before)", [],
+         ["ACCELERATE_USE_FSDP=true is set in the environment", "unset ACCELERATE_USE_FSDP"],
+         env={"ACCELERATE_USE_FSDP": "true"}),
+    Case("leftover-use-deepspeed", "ACCELERATE_USE_DEEPSPEED left in the shell", [],
+         ["ACCELERATE_USE_DEEPSPEED=1 is set in the environment", "unset ACCELERATE_USE_DEEPSPEED"],
+         env={"ACCELERATE_USE_DEEPSPEED": "1"}),
+    Case("hint-save-steps", "Trainer's --save_steps (hinted --max_train_steps, which changes the run's length)",
+         ["--save_steps", "50"], ["--save_steps: did you mean --checkpointing_steps?"]),
+    Case("hint-gradient-checkpointing", "Trainer's --gradient_checkpointing (hinted --async_checkpoint)",
+         ["--gradient_checkpointing"], ["recipes/activation_checkpointing.py"]),
+    Case("hint-evaluation-strategy", "Trainer's --evaluation_strategy (hinted --validation_dir)",
+         ["--evaluation_strategy", "steps"], ["evaluate once, after training"]),
+    Case("hint-use-peft", "TRL's --use_peft (hinted --seed)", ["--use_peft"], ["recipes/qlora.py"]),
+    Case("hint-dataset-text-field", "TRL's --dataset_text_field (hinted --dataset_name)",
+         ["--dataset_text_field", "body"], ["did you mean --text_column?"]),
+    Case("hint-train-on-inputs", "axolotl's --train_on_inputs (hinted --train_dir)", ["--train_on_inputs", "true"],
+         ["--train_on_prompt"]),
+    Case("hint-chat-template", "TRL's --chat_template (hinted --torch_compile)", ["--chat_template", "chatml"],
+         ["these recipes call it --chat_template"]),
+    Case("hint-bf16", "Trainer's --bf16 (no hint)", ["--bf16"], ["did you mean --mixed_precision bf16?"]),
+    Case("hint-block-size", "run_clm's --block_size (no hint)", ["--block_size", "64"],
+         ["did you mean --max_seq_length?"]),
+    Case("label-case-spellings", "labels 'pos' and 'Pos' (two classes where one was meant)", [],
+         ["spells one class several ways", "'Pos' / 'pos'", "Write each label one way"],
+         setup=lambda t: ["--train_file", _table(t, [(a, ("pos", "Pos", "neg")[i % 3]) for i, (a, _) in
+                                                      enumerate(_ROWS)])]),
+    Case("column-in-two-roles", "the label column also named as the text column", ["--text_column", "label"],
+         ["is used as both the text and the label"], setup=lambda t: ["--train_file", _table(t)]),
+    Case("nested-image-folders", "images one folder deeper than the classes (silently skipped before)",
+         ["--task", "image-classification"], ["class folders hold subfolders", "Move their images up"],
+         setup=lambda t: ["--train_dir", _nested_folder(t)]),
+    Case("unread-image-files", "files of a type no loader reads among the images (silently skipped before)",
+         ["--task", "image-classification"], ["file(s) of a type no loader reads would be skipped", "notes.txt"],
+         setup=lambda t: ["--train_dir", _folder_with(t, "notes.txt")]),
+    Case("tokenizer-of-another-model", "a tokenizer larger than the model's embeddings",
+         [], ["tokens, and the model", "embeds", "Pass the model's own tokenizer"],
+         setup=lambda t: ["--model_name_or_path", _classifier_dir(t, labels=2), "--tokenizer_name", _big_tokenizer(t)]),
+    Case("file-as-model-dir", "config.json itself passed as the model", [],
+         ["it is a file, and a folder is expected", "Pass the folder that holds it"],
+         setup=lambda t: ["--model_name_or_path", _classifier_dir(t, labels=2) / "config.json"]),
+    Case("folder-as-data-file", "a folder passed as --train_file", [],
+         ["it is a folder, and a file is expected", "train.csv"],
+         setup=lambda t: ["--train_file", _table(t).parent]),
+    Case("model-dir-typo", "a near-miss spelling of a model folder", [],
+         ["does not exist", "Did you mean"],
+         setup=lambda t: ["--model_name_or_path", str(_classifier_dir(t, 2)).replace("classifier", "clasifier")]),
+    # ---- found by tests/test_fuzz_inputs.py while the boundary was built (its regression rows)
+    Case("headerless-csv", "a csv without a header row (its first row became the column names)", [],
+         ["these read like a row of data", "add one naming the columns"],
+         setup=lambda t: ["--train_file", _write(t / "nohead.csv", "".join(f"{a},{b}\n" for a, b in _ROWS))]),
+    Case("empty-parquet", "a parquet file of no rows (pyarrow's 'BatchSize must be greater than 0')", [],
+         ["is empty"], setup=lambda t: ["--train_file", _parquet(t, rows=0)]),
+    Case("utf16-csv", "a UTF-16 csv (Excel's 'Unicode text')", [], ["it is UTF-16", "save the file as UTF-8"],
+         setup=lambda t: ["--train_file", _encoded(t, "utf-16")]),
+    Case("gz-not-utf8", "a .jsonl.gz whose text is latin-1 (the compressed bytes were blamed before)", [],
+         ["line 1 is not UTF-8", "train.jsonl.gz"], setup=lambda t: ["--train_file", _gz_latin1(t)]),
+    Case("edited-model-type", "config.json's model_type edited (BERT weights under a GPT-2 config trained from "
+         "random values)", ["--max_seq_length", "32"], ["weights are not in its checkpoint", "random values"],
+         setup=lambda t: ["--model_name_or_path", _retyped(t), "--train_file", _table(t)]),
 ]
 # The earlier rows whose fix is a flag or a recipe, followed (argv, recipe, env); the others' fix is in the data, a
 # pip install, or a launch of several processes (test_following_a_launch_fix_clears_the_rule).
@@ -710,6 +804,74 @@ for _case in CASES:
     if _case.id in _FOLLOWED:
         _case.fix, _case.fix_recipe, _case.fix_env = _FOLLOWED[_case.id]
 assert set(_FOLLOWED) <= {c.id for c in CASES}
+
+
+def _adapter_dir(tmp: Path) -> Path:
+    """What PEFT's save_pretrained writes for a LoRA adapter: its config (naming the base) and the adapter weights."""
+    import json
+
+    path = tmp / "adapter"
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path":
+                                                           "my-org/base", "r": 8, "target_modules": ["query"]}))
+    (path / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    return path
+
+
+def _nested_folder(tmp: Path) -> Path:
+    root = _folder(tmp)
+    (root / "a" / "batch2").mkdir()
+    for i in range(2):
+        (root / "a" / "batch2" / f"{i}.png").write_bytes((root / "a" / "0.png").read_bytes())
+    return root
+
+
+def _folder_with(tmp: Path, name: str) -> Path:
+    root = _folder(tmp)
+    (root / "b" / name).write_text("labelled by hand")
+    return root
+
+
+def _big_tokenizer(tmp: Path) -> Path:
+    from shared.core.data import build_word_tokenizer
+
+    path = tmp / "big-tokenizer"
+    build_word_tokenizer([f"w{i}" for i in range(60000)], "text-classification", vocab_size=40000).save_pretrained(path)
+    return path
+
+
+def _parquet(tmp: Path, rows: int) -> Path:
+    import pandas as pd
+
+    path = tmp / "train.parquet"
+    pd.DataFrame({"text": [a for a, _ in _ROWS][:rows], "label": [b for _, b in _ROWS][:rows]}).to_parquet(path)
+    return path
+
+
+def _encoded(tmp: Path, encoding: str) -> Path:
+    path = tmp / "train.csv"
+    path.write_bytes(("text,label\n" + "".join(f"{a},{b}\n" for a, b in _ROWS)).encode(encoding))
+    return path
+
+
+def _gz_latin1(tmp: Path) -> Path:
+    import gzip
+    import json
+
+    path = tmp / "train.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps({"text": "x", "label": b}, ensure_ascii=False)
+                                           .replace('"x"', f'"caf\xe9 {a}"') + "\n"
+                                           for a, b in _ROWS).encode("latin-1")))
+    return path
+
+
+def _retyped(tmp: Path) -> Path:
+    import json
+
+    path = _classifier_dir(tmp, labels=2)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    return path
 
 
 def _ds_json(tmp: Path, **values) -> Path:

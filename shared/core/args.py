@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 from difflib import get_close_matches
 
+from .boundary import expand_user
 from .errors import LaunchError
 
 # --model_preset (shared/core/models.py builds them). The decoders: tiny-llama and tiny-moe as the recipes' own
@@ -63,10 +64,63 @@ RENAMED_VALUES = {"adamw_8bit": ("adamw_bnb_8bit", "adamw_torchao_8bit"), "bnb_a
                   "adamw_fp8": ("adamw_torchao_fp8",)}
 # Flags of earlier versions: (today's flag, how it spells the old flag's value). Refused where the new flag exists.
 RENAMED_FLAGS = {"--bits": ("--load_in", "{}bit")}  # recipes/qlora.py's --bits 4 / 8
-# Trainer's and timm's names of our flags, for an unknown flag (without allow_abbrev, --lr was --lr_scheduler_type).
-SPELLINGS = {"--lr": "--learning_rate", "--epochs": "--num_train_epochs", "--wd": "--weight_decay", "--bs":
-             "--per_device_train_batch_size", "--batch_size": "--per_device_train_batch_size", "--max_steps":
-             "--max_train_steps", "--warmup_steps": "--num_warmup_steps", "--fp16": "--mixed_precision fp16"}
+# Other tools' flags (Trainer, TRL, axolotl, run_clm, timm) -> ours, by meaning: an unknown flag is answered from
+# this table first, and difflib's nearest spelling only for flags it lacks. A hint never names a flag that changes
+# the run's length (--max_train_steps, --num_train_epochs ...) unless the flag it answers meant that too.
+SPELLINGS = {
+    "--lr": "--learning_rate", "--epochs": "--num_train_epochs", "--wd": "--weight_decay",
+    "--bs": "--per_device_train_batch_size", "--batch_size": "--per_device_train_batch_size",
+    "--micro_batch_size": "--per_device_train_batch_size", "--train_batch_size": "--per_device_train_batch_size",
+    "--eval_batch_size": "--per_device_eval_batch_size", "--max_steps": "--max_train_steps",
+    "--warmup_steps": "--num_warmup_steps", "--fp16": "--mixed_precision fp16", "--bf16": "--mixed_precision bf16",
+    "--save_steps": "--checkpointing_steps", "--save_strategy": "--checkpointing_steps",
+    "--save_limit": "--save_total_limit", "--block_size": "--max_seq_length", "--max_length": "--max_seq_length",
+    "--sequence_len": "--max_seq_length", "--max_len": "--max_seq_length", "--seq_length": "--max_seq_length",
+    "--model": "--model_name_or_path", "--base_model": "--model_name_or_path", "--model_name": "--model_name_or_path",
+    "--tokenizer": "--tokenizer_name", "--dataset": "--dataset_name", "--dataset_text_field": "--text_column",
+    "--text_field": "--text_column", "--train_data": "--train_file", "--data_path": "--train_file",
+    "--eval_file": "--validation_file", "--val_file": "--validation_file", "--test_file": "--validation_file",
+    "--train_on_inputs": "--train_on_prompt", "--train_on_input": "--train_on_prompt",
+    "--completion_only_loss": "--train_on_prompt", "--chat_template": "--chat_template",
+    "--gradient_checkpointing": "gradient checkpointing is a recipe here: recipes/activation_checkpointing.py",
+    "--use_peft": "LoRA adapters are a recipe here: recipes/qlora.py", "--lora_r": "a flag of recipes/qlora.py",
+    "--load_in_4bit": "recipes/qlora.py --load_in 4bit is the recipe for it",
+    "--load_in_8bit": "recipes/qlora.py --load_in 8bit is the recipe for it",
+    "--deepspeed": "DeepSpeed is a recipe here: recipes/zero.py with a launch config (docs/zero.md)",
+    "--fsdp": "FSDP is a recipe here: recipes/fsdp.py with accelerate_configs/fsdp.yaml",
+    "--evaluation_strategy": "not needed: these recipes evaluate once, after training (results.json)",
+    "--eval_strategy": "not needed: these recipes evaluate once, after training (results.json)",
+    "--eval_steps": "not needed: these recipes evaluate once, after training (results.json)",
+    "--do_train": "not needed: every run trains", "--do_eval": "not needed: every run evaluates after training",
+    "--logging_dir": "--output_dir (tracker logs go there)", "--lr_scheduler": "--lr_scheduler_type",
+    "--scheduler": "--lr_scheduler_type", "--optimizer": "--optim",
+    "--warmup_ratio": "--num_warmup_steps (a count of steps)",
+    "--gradient_accumulation": "--gradient_accumulation_steps", "--torch_compile_mode": "--torch_compile",
+    "--num_epochs": "--num_train_epochs", "--n_epochs": "--num_train_epochs", "--train_steps": "--max_train_steps",
+    "--local_rank": "not needed: accelerate launch starts the processes and sets their ranks",
+}
+# What changes how long a run trains: a spelling match may point there only when the flag typed speaks of the same
+# thing (--max_step, --num_epoch), never from a look-alike (--save_steps is not --max_steps).
+_LENGTH_WORDS = {"--max_train_steps": ("max", "step"), "--num_train_epochs": ("epoch",),
+                 "--max_train_samples": ("train", "sample"), "--max_eval_samples": ("eval", "sample")}
+
+
+def flag_hint(flag: str, options: dict) -> str:
+    """The hint for an unknown flag: the table of other tools' names (SPELLINGS), then a close spelling of one of
+    ours or of the table's, never a flag of another meaning that changes the run's length."""
+    name = "--" + flag.lstrip("-").replace("-", "_")
+    meant = SPELLINGS.get(flag, SPELLINGS.get(name))
+    if meant is None:
+        near = [m for m in get_close_matches(name, [*options, *SPELLINGS], 5)
+                if all(w in name for w in _LENGTH_WORDS.get(SPELLINGS.get(m, m), ()))]
+        meant = SPELLINGS.get(near[0], near[0]) if near else None
+    if meant is None:
+        return "no such flag (see --help)"
+    if not meant.startswith("--"):
+        return meant
+    if meant.split()[0] in options:
+        return f"did you mean {meant}?"
+    return f"these recipes call it {meant.split()[0]}, and this recipe has no such flag (see --help)"
 
 
 def one_of(*names: str) -> dict:
@@ -95,9 +149,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:
         if message.startswith("unrecognized arguments: "):  # argparse says no more: name the flag meant
             for flag in [t.split("=")[0] for t in message.split()[2:] if t[:1] == "-" and t.strip("-")[:1].isalpha()]:
-                name, opts = SPELLINGS.get(flag, "--" + flag.lstrip("-").replace("-", "_")), self._option_string_actions
-                meant = [name] if name.split()[0] in opts else get_close_matches(name, opts, 1)
-                message += f". {flag}: " + (f"did you mean {meant[0]}?" if meant else "no such flag (see --help)")
+                message += f". {flag}: {flag_hint(flag, self._option_string_actions)}"
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # under a launcher: shown once, in its summary (entrypoint)
             raise LaunchError(f"{self.prog}: error: {message}")
         super().error(message)
@@ -219,6 +271,8 @@ def parse_args(
     g.add_argument("--report_to", default="tensorboard", help="Tracker(s) for Accelerate, comma-separated, or 'none'.")
     g.add_argument("--logging_steps", type=COUNT, default=10)
     g.add_argument("--no_save_model", action="store_true", help="Skip saving the final model (tests, benchmarks).")
+    g.add_argument("--debug", action="store_true", help="After a refusal, print the library's traceback that "
+                   "caused it (also RECIPES_DEBUG=1).")
     g.add_argument("--preflight", action="store_true",
                    help="Resolve and check the configuration, print it, and stop before the first step.")
 
@@ -233,6 +287,8 @@ def parse_args(
         if action.help is None and action.option_strings:
             action.help = "default: %(default)s"
     args = p.parse_args(argv)
+    for dest, value in vars(args).items():  # a quoted '~/x' reaches us unexpanded: one meaning for every path flag
+        setattr(args, dest, expand_user(value))
     seen, tokens = {}, [str(t) for t in (sys.argv[1:] if argv is None else argv)]  # argparse keeps the last silently
     for i, (flag, eq, value) in enumerate(t.partition("=") for t in tokens):
         action = p._option_string_actions.get(flag) if flag.startswith("--") else None

@@ -26,7 +26,8 @@ import torch
 
 from . import rules, rundir
 from .accelerate_compat import prepared_models, prepared_schedulers
-from .errors import CheckpointError, RunFinished
+from .boundary import diagnose, loading
+from .errors import CheckpointError, InputError, RunFinished
 
 if TYPE_CHECKING:
     from .launch import Launch
@@ -468,9 +469,14 @@ def find_checkpoint(launch: Launch, accelerator) -> Path | None:
         return None
     path = Path(wanted)
     if not path.is_dir():
-        raise CheckpointError(f"--resume_from_checkpoint {wanted!r} does not exist. Pass a directory under "
-                              f"{root} or 'latest'.")
+        found, fix = diagnose("checkpoint", wanted)
+        raise CheckpointError(f"--resume_from_checkpoint {wanted!r} {'does not exist' if not path.exists() else found}."
+                              f" {fix + ' ' if fix.startswith('Did') else ''}Pass a directory under {root} or "
+                              "'latest'.")
     problem = verify_checkpoint(path, accelerator)
+    found, fix = diagnose("checkpoint", wanted)
+    if problem and found:  # a saved model, an adapter, a dataset: not a checkpoint at all
+        raise CheckpointError(f"--resume_from_checkpoint {wanted!r} is {found}. {fix}")
     if problem:
         raise CheckpointError(f"--resume_from_checkpoint {wanted!r} is not a complete checkpoint: {problem}. "
                               "Pass another checkpoint, or 'latest' to take the newest complete one.")
@@ -644,9 +650,13 @@ def resume(accelerator, launch: Launch, max_steps: int) -> tuple[int, int]:
     # The optimizers' settings as the flags now give them: load_state brings back the saved ones (weight decay, betas).
     fresh = [[{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in o.param_groups]
              for o in _optimizers(accelerator)]
-    try:
-        accelerator.load_state(str(path))
-    except (FileNotFoundError, AssertionError, KeyError, ValueError, RuntimeError) as err:
+    try:  # a layout mismatch gets its own message; anything else a library raises, the loading boundary's
+        with loading("checkpoint", "--resume_from_checkpoint", path):
+            accelerator.load_state(str(path))
+    except InputError as err:
+        if not isinstance(err.__cause__, (FileNotFoundError, AssertionError, KeyError, ValueError, RuntimeError)):
+            raise
+        err = err.__cause__
         raise CheckpointError(f"{path} does not load into this launch ({type(err).__name__}: {err}): its files do not "
                               "match the model, optimizer or sharding built here. Resume it with the launch config "
                               "and flags that wrote it, or start afresh in another --output_dir.") from err

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from . import datacheck
+from .boundary import diagnose, loading
 from .errors import InputError
 
 # ---------------------------------------------------------------- built-in offline datasets (deterministic)
@@ -91,7 +92,37 @@ def builtin_split(task: str, split: str) -> dict[str, list]:
 _TEXT_GUESSES = ("text", "sentence", "content", "review", "document")
 _IMAGE_GUESSES = ("image", "img", "pixel_values", "picture")
 _LABEL_GUESSES = ("label", "labels", "class", "target")
-_FILE_TYPES = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+_FILE_TYPES = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
+               ".txt": "text"}
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")  # datasets decompresses these itself
+
+
+def file_kind(path: str) -> str | None:
+    """The datasets builder of a data file by its name (data.jsonl.gz: json), None for a type no loader reads."""
+    suffixes = [s.lower() for s in Path(path).suffixes]
+    if suffixes and suffixes[-1] in _COMPRESSED:
+        suffixes = suffixes[:-1]
+    return _FILE_TYPES.get(suffixes[-1]) if suffixes else None
+
+
+def csv_delimiter(path: str) -> str:
+    """The delimiter of a csv/tsv file: a tab for .tsv; else ',' unless the header is split by ';', tab or '|' and
+    holds no comma (Excel in many locales writes ';'). Reported in the data report."""
+    import gzip
+
+    if ".tsv" in [s.lower() for s in Path(path).suffixes]:
+        return "\t"
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+            header = f.readline()
+    except OSError:
+        return ","
+    if "," in header:
+        return ","
+    counts = {d: header.count(d) for d in (";", "\t", "|")}
+    best = max(counts, key=counts.get)
+    return best if counts[best] else ","
 
 
 def check_paths(args: argparse.Namespace) -> None:
@@ -103,9 +134,17 @@ def check_paths(args: argparse.Namespace) -> None:
     for flag in ("train_file", "validation_file"):
         path = getattr(args, flag)
         if path:
-            kind = _FILE_TYPES.get(Path(path).suffix.lower())
+            kind = file_kind(path)
+            if Path(path).is_dir():
+                found, fix = diagnose("data file", path)
+                raise InputError(f"--{flag} {path!r}: {found}. {fix}"
+                                 + (" An image folder is --train_dir." if args.task == "image-classification" else ""))
             if kind is None:
-                raise InputError(f"--{flag} {path!r}: unknown file type. Use one of {sorted(_FILE_TYPES)}.")
+                raise InputError(f"--{flag} {path!r}: unknown file type. Use one of {sorted(_FILE_TYPES)} "
+                                 f"(or those compressed: {', '.join(_COMPRESSED)}).")
+            if Path(path).stat().st_size == 0:
+                raise InputError(f"--{flag} {path!r} is empty (0 bytes). Pass the file with its rows (an interrupted "
+                                 "copy or export?).")
             if kind == "text" and args.task != "causal-lm":
                 raise InputError(f"--{flag} {path!r}: .txt has no labels; it serves --task causal-lm only. "
                                  "Use csv, json/jsonl or parquet with a label column.")
@@ -129,31 +168,51 @@ def load_raw_splits(args: argparse.Namespace) -> tuple[object, object, str]:
     they came from; validation is None when the source has none (hold_out makes one)."""
     import datasets
 
+    SKIPPED.clear()
     if args.train_dir:
-        train = image_folder(args.train_dir)
-        val = image_folder(args.validation_dir, classes=train["classes"]) if args.validation_dir else None
+        with loading("image folder", "--train_dir", args.train_dir):
+            train = image_folder(args.train_dir)
+        with loading("image folder", "--validation_dir", args.validation_dir):
+            val = image_folder(args.validation_dir, classes=train["classes"]) if args.validation_dir else None
         source = f"image folder {args.train_dir}"
     elif args.train_file:
-        train = _load_file(args.train_file)
-        val = _load_file(args.validation_file) if args.validation_file else None
+        with loading("data file", "--train_file", args.train_file):
+            train = _load_file(args.train_file)
+        with loading("data file", "--validation_file", args.validation_file):
+            val = _load_file(args.validation_file) if args.validation_file else None
         if val is not None:
             datacheck.check_same_columns(train.column_names, val.column_names, args.train_file, args.validation_file)
         source = f"file {args.train_file}"
     elif args.dataset_name:
-        try:
-            loaded = datasets.load_dataset(args.dataset_name, args.dataset_config_name,
-                                           trust_remote_code=args.trust_remote_code or None)
-        except (ConnectionError, FileNotFoundError) as err:  # datasets' words for offline, and for no such id
-            raise InputError(f"Could not load the hub dataset {args.dataset_name!r} ({type(err).__name__}: "
-                             f"{str(err).splitlines()[0]}). Check the id and the network (HF_HUB_OFFLINE=1 forbids "
-                             "downloads), or pass local data: --train_file, or --train_dir for images.") from None
+        saved = Path(args.dataset_name).expanduser()
+        if saved.is_dir() and ((saved / "dataset_dict.json").exists() or (saved / "state.json").exists()):
+            # save_to_disk's folder: load_dataset refuses it ("use load_from_disk instead")
+            with loading("saved dataset", "--dataset_name", args.dataset_name):
+                loaded = datasets.load_from_disk(str(saved))
+            if isinstance(loaded, datasets.Dataset):  # one split: the validation rows are held out below
+                loaded = datasets.DatasetDict(train=loaded)
+            kind = "dataset saved with save_to_disk"
+        else:
+            try:
+                loaded = datasets.load_dataset(args.dataset_name, args.dataset_config_name,
+                                               trust_remote_code=args.trust_remote_code or None)
+            except (ConnectionError, FileNotFoundError) as err:  # datasets' words for offline, and for no such id
+                raise InputError(f"Could not load the hub dataset {args.dataset_name!r} ({type(err).__name__}: "
+                                 f"{str(err).splitlines()[0]}). Check the id and the network (HF_HUB_OFFLINE=1 "
+                                 "forbids downloads), or pass local data: --train_file, or --train_dir for "
+                                 "images.") from err
+            except Exception as err:  # noqa: BLE001 (the loading boundary: a folder or script datasets rejects)
+                from .boundary import explain
+
+                raise InputError(explain("dataset", "--dataset_name", args.dataset_name, err)) from err
+            kind = "hub dataset" if not saved.exists() else "dataset folder"
         if "train" not in loaded:
             raise InputError(f"The dataset {args.dataset_name!r} has no 'train' split (it has {sorted(loaded)}). "
                              "Pass --dataset_config_name for a configuration with one, or its files as "
                              "--train_file and --validation_file.")
         val_name = next((s for s in ("validation", "valid", "test") if s in loaded), None)
         train, val = loaded["train"], loaded[val_name] if val_name else None
-        source = f"hub dataset {args.dataset_name}"
+        source = f"{kind} {args.dataset_name}"
     else:
         return builtin_split(args.task, "train"), builtin_split(args.task, "validation"), "built-in offline dataset"
     if not isinstance(train, dict) and len(train) == 0:
@@ -178,19 +237,38 @@ def _load_file(path: str):
     """One data file as a Dataset; a file that does not parse is refused with its name and first bad line."""
     import datasets
 
-    kind = _FILE_TYPES[Path(path).suffix.lower()]
+    kind = file_kind(path)
+    options = {"sep": csv_delimiter(path)} if kind == "csv" else {}
     try:
-        ds = datasets.load_dataset(kind, data_files={"train": path}, split="train")
+        ds = datasets.load_dataset(kind, data_files={"train": path}, split="train", **options)
     except ValueError as err:
-        if "corresponds to no data" in str(err):  # datasets' words for a file with a header and no rows
+        if "corresponds to no data" in str(err) or _no_rows(path, kind):  # a file with a header and no rows
             raise InputError(f"The data file {path} is empty. Pass a file with rows.") from None
-        raise datacheck.explain_unreadable(path, kind, err) from None
+        raise datacheck.explain_unreadable(path, kind, err) from err
     except datasets.exceptions.DatasetGenerationError as err:
-        raise datacheck.explain_unreadable(path, kind, err) from None
+        if _no_rows(path, kind):
+            raise InputError(f"The data file {path} is empty. Pass a file with rows.") from err
+        raise datacheck.explain_unreadable(path, kind, err) from err
+    try:  # Arrow checks UTF-8 only when a cell is read: a compressed file's bad bytes surfaced mid-build
+        ds.data.table.validate(full=True)
+    except Exception as err:  # noqa: BLE001 (pyarrow.ArrowInvalid: which line, said by explain_unreadable)
+        raise datacheck.explain_unreadable(path, kind, err) from err
     if kind == "json" and len(ds) == 1 and all(isinstance(v, dict) for v in ds[0].values()):
         raise InputError(f"{path} is one JSON object of columns ({{column: {{row: value}}}}: pandas' df.to_json(path)"
                          '), not a record per row. Save it with df.to_json(path, orient="records", lines=True).')
     return ds
+
+
+def _no_rows(path: str, kind: str) -> bool:
+    """A parquet file of no rows (pyarrow's 'BatchSize must be greater than 0' in datasets)."""
+    if kind != "parquet":
+        return False
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows == 0
+    except Exception:  # noqa: BLE001 (not a parquet file at all: the caller explains that)
+        return False
 
 
 def _split_dict(d: dict[str, list]) -> tuple[dict, dict]:
@@ -202,24 +280,51 @@ def _split_dict(d: dict[str, list]) -> tuple[dict, dict]:
     return pick(order[cut:]), pick(order[:cut])
 
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+_JUNK = ("Thumbs.db", "desktop.ini")  # what file managers leave beside images
+SKIPPED: list[str] = []  # what the last load_raw_splits left out, and why: the data report shows it
+
+
 def image_folder(root: str, classes: list[str] | None = None) -> dict[str, list]:
-    """Paths and labels from root/<class>/<image>; classes sorted by name, as torchvision's ImageFolder does."""
+    """Paths and labels from root/<class>/<image>; classes sorted by name, as torchvision's ImageFolder does.
+    Hidden folders (.ipynb_checkpoints) are not classes; a subfolder inside a class, or a file of a type no loader
+    reads, is refused: its images would be skipped without a word."""
     root_path = Path(root)
-    found = sorted(p.name for p in root_path.iterdir() if p.is_dir())
+    if not root_path.is_dir():
+        raise InputError(f"{root!r} is a file; an image folder is expected ({root_path.parent}/<class>/<image>). "
+                         "Pass the folder that holds the class subfolders.")
+    entries = sorted(root_path.iterdir())
+    found = [p.name for p in entries if p.is_dir() and not p.name.startswith(".")]
+    SKIPPED.extend(f"{p} (hidden folder, not a class)" for p in entries if p.is_dir() and p.name.startswith("."))
+    SKIPPED.extend(f"{p} (a file beside the class folders)" for p in entries if p.is_file())
     if not found:
         raise InputError(f"{root!r} holds no class subfolders. Lay images out as {root}/<class_name>/<image>.png.")
     classes = classes or found
     unknown = set(found) - set(classes)
     if unknown:
         raise InputError(f"{root!r} has classes {sorted(unknown)} that the training folder lacks.")
-    paths, labels = [], []
+    paths, labels, nested, other = [], [], [], []
     for label, name in enumerate(classes):
         for p in sorted((root_path / name).glob("*")):
-            if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"):
+            if p.name.startswith(".") or p.name in _JUNK:
+                SKIPPED.append(f"{p} (hidden or file-manager file)")
+            elif p.is_dir():
+                nested.append(p)
+            elif p.suffix.lower() in IMAGE_SUFFIXES:
                 paths.append(str(p))
                 labels.append(label)
+            else:
+                other.append(p)
+    if nested:
+        raise InputError(f"{root!r}: class folders hold subfolders ({', '.join(map(str, nested[:5]))}), whose images "
+                         "would not train. Move their images up into the class folder, or, if the subfolders are "
+                         f"the classes, pass --train_dir {str(nested[0].parent)!r}.")
+    if other:
+        raise InputError(f"{root!r}: {len(other)} file(s) of a type no loader reads would be skipped "
+                         f"({', '.join(map(str, other[:5]))}). Convert them to {', '.join(IMAGE_SUFFIXES[:3])} ..., or "
+                         "move them out of the class folders.")
     if not paths:
-        raise InputError(f"{root!r} holds no images (png, jpg, jpeg, bmp, gif, webp).")
+        raise InputError(f"{root!r} holds no images ({', '.join(s.lstrip('.') for s in IMAGE_SUFFIXES)}).")
     return {"image": paths, "label": labels, "classes": classes}
 
 
@@ -234,6 +339,12 @@ def pick_column(columns: list[str], wanted: str | None, guesses: tuple[str, ...]
         if name in columns:
             return name
     pairs = " (sentence pairs such as GLUE's sentence1/sentence2: also --text_pair_column)" if what == "text" else ""
+    if columns and all(" " in c or c.strip().lstrip("-").replace(".", "", 1).isdigit() or c in ("True", "False")
+                       for c in columns[1:] + columns[:1]) and any(" " in c for c in columns):
+        # the column names read like values: a file without a header row, whose first row became the names
+        raise InputError(f"Found no {what} column among {columns}: these read like a row of data. If the file "
+                         "has no header row, add one naming the columns (e.g. text,label) as its first line; else "
+                         f"pass --{flag} naming the column.")
     raise InputError(f"Found no {what} column among {columns}. Pass --{flag} naming it{pairs}.")
 
 
@@ -302,10 +413,11 @@ class ImageDataset(torch.utils.data.Dataset):
         if not isinstance(img, np.ndarray):
             from PIL import Image
 
-            pil = img if isinstance(img, Image.Image) else Image.open(img)
-            if pil.mode.startswith("I;16"):  # 16-bit grey: convert("RGB") clips at 255 (nearly all white)
-                pil = Image.fromarray((np.asarray(pil) / 257).round().astype(np.uint8))  # 65535 -> 255
-            img = np.asarray(pil.convert("RGB").resize((self.size, self.size), RESAMPLE))
+            with loading("image", None, img if isinstance(img, str) else "an image of the dataset"):
+                pil = img if isinstance(img, Image.Image) else Image.open(img)
+                if pil.mode.startswith("I;16"):  # 16-bit grey: convert("RGB") clips at 255 (nearly all white)
+                    pil = Image.fromarray((np.asarray(pil) / 257).round().astype(np.uint8))  # 65535 -> 255
+                img = np.asarray(pil.convert("RGB").resize((self.size, self.size), RESAMPLE))
         elif img.shape[0] != self.size:
             from PIL import Image
 

@@ -23,18 +23,28 @@ def _rows(indices: list[int]) -> str:
 
 
 # ---------------------------------------------------------------- files
-def explain_unreadable(path: str, kind: str, err: Exception) -> SystemExit:
+def explain_unreadable(path: str, kind: str, err: Exception) -> InputError:
     """The refusal for a file `datasets` could not build a split from: the file, the line, the cause."""
     where = _first_bad_line(Path(path), kind)
     cause = err.__cause__ or err.__context__ or err
     detail = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
-    return SystemExit(f"{path}: cannot be read as {kind}{', ' + where if where else ''} ({detail}). Fix or remove "
+    return InputError(f"{path}: cannot be read as {kind}{', ' + where if where else ''} ({detail}). Fix or remove "
                       f"that {'line' if where else 'content'}, or save the file as UTF-8 {kind}.")
 
 
 def _first_bad_line(path: Path, kind: str) -> str:
-    """'line N: why' for the first line that does not decode as UTF-8 or (json lines) does not parse."""
-    raw = path.read_bytes()
+    """'line N: why' for the first line that does not decode as UTF-8 or (json lines) does not parse. Binary
+    formats (parquet) have no lines; a compressed file's lines are its decompressed ones."""
+    import gzip
+
+    if kind not in ("csv", "json", "text"):
+        return ""
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix.lower() == ".gz" else path.read_bytes()
+    except OSError as err:
+        return f"it does not decompress ({err})"
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):  # a UTF-16 byte-order mark (Excel's 'Unicode text', PowerShell)
+        return "it is UTF-16 (its first bytes are a UTF-16 byte-order mark)"
     for number, line in enumerate(raw.split(b"\n"), start=1):
         try:
             text = line.decode("utf-8")
@@ -122,10 +132,41 @@ def check_label_values(values: list, column: str, split: str) -> None:
                          "those rows, or use a split with labels.")
 
 
+def check_roles(columns: dict[str, str | None]) -> None:
+    """One column in two roles (text and label, text and pair) trains the answer as the question: refused."""
+    seen: dict[str, str] = {}
+    for role, column in columns.items():
+        if column and column in seen:
+            raise InputError(f"The column {column!r} is used as both the {seen[column]} and the {role}: the model "
+                             f"would read its own {role}. Pass --{role.replace(' ', '_')}_column naming another "
+                             "column.")
+        if column:
+            seen[column] = role
+
+
+def check_spellings(values: list, column: str) -> None:
+    """Label values that differ only in case, spaces or number formatting ('pos'/'Pos', '1'/'1.0') would each train
+    as a class of their own: two classes where one was meant."""
+    groups: dict[object, dict] = {}
+    for v in set(values):
+        text = str(v).strip().casefold()
+        try:
+            norm: object = float(text)
+        except ValueError:
+            norm = text
+        groups.setdefault(norm, {})[_key(v)] = v  # 1, 1.0 and True are one class already (_key)
+    split = [sorted(map(repr, g.values())) for g in groups.values() if len(g) > 1]
+    if split:
+        shown = "; ".join(" / ".join(g) for g in split[:_SHOWN])
+        raise InputError(f"The label column {column!r} spells one class several ways ({shown}): each spelling would "
+                         "train as a class of its own. Write each label one way (same case, no spaces) in every split.")
+
+
 def label_set(train: list, val: list, column: str) -> tuple[list, dict]:
     """The classes a classifier learns, and how each label value maps to its index; refuses a label set that
     cannot train what the user meant. Integers 0..K-1 stay; anything else is numbered in sorted order (so labels
     1..5 train 5 classes, not 6 with a class 0 nothing ever trains). The values passed check_label_values."""
+    check_spellings(list(train) + list(val), column)
     train_keys = [_key(v) for v in train]
     counts = Counter(train_keys)
     if len(counts) < 2:
@@ -172,9 +213,9 @@ def label_index(mapping: dict) -> object:
 def check_images(paths: list, split: str) -> None:
     """Every image file decodes: a truncated one (an interrupted copy) opens and verifies, then crashes evaluation.
     All are decoded, as a sample would miss the one bad file; JPEGs in draft mode (scaled, yet every byte read)."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
-    broken = []
+    broken, odd = [], []
     for path in paths:
         if not isinstance(path, str):  # already decoded (a hub dataset's Image feature, the built-in arrays)
             continue
@@ -182,11 +223,17 @@ def check_images(paths: list, split: str) -> None:
             with Image.open(path) as image:
                 image.draft("RGB", (64, 64))
                 image.load()
+                if image.mode in ("I", "F"):  # 32-bit: convert("RGB") clips every value above 255 to white
+                    odd.append(f"{path} (mode {image.mode})")
         except Image.DecompressionBombError as err:  # PIL's guard: kept, and the user decides
             raise InputError(f"{path}: {err} Resize it (the model sees a few hundred pixels a side), or, trusting "
                              "the file, raise the limit before main(): PIL.Image.MAX_IMAGE_PIXELS = <pixels>.") from err
-        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as err:
-            broken.append(f"{path} ({type(err).__name__}: {err})")
+        except Exception as err:  # noqa: BLE001 (the loading boundary: whatever PIL raises on a file)
+            broken.append(f"{path} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+    if odd:
+        raise InputError(f"{len(odd)} {split} image(s) hold 32-bit integer or float pixels ({', '.join(odd[:_SHOWN])})"
+                         ": read as RGB every value above 255 would be white. Save them as 8- or 16-bit PNG "
+                         "(scaled to their range).")
     if broken:
         raise InputError(f"{len(broken)} {split} image(s) do not open or decode: {', '.join(broken[:_SHOWN])}. "
                          "Remove or replace them (a truncated file is often an interrupted copy: copy it again).")

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -21,6 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import quiet, rules, rundir
 from .args import FROM_SCRATCH_LR, PRETRAINED_LR
+from .boundary import debugging
 from .errors import CheckpointError, LaunchError, RecipeError, RunFinished
 from .fsdp_launch import force_fsdp_on_cpu, fsdp_plugin_kwargs
 
@@ -47,7 +49,10 @@ def entrypoint(main: Callable[..., dict | None]) -> Callable[..., dict | None]:
                 return finished_or_run(argv)
             return record(finished_or_run)(argv)
         except RecipeError as exc:  # the message alone, as SystemExit(message) shows it; `raise` keeps the cause
+            if debugging(argv):  # --debug / RECIPES_DEBUG=1: the library's traceback that caused it, then the message
+                traceback.print_exception(exc)
             if not error_file:
+                _repeat_after_launcher(str(exc))
                 raise SystemExit(str(exc)) from exc
             _write_refusal(error_file, str(exc))
             raise SystemExit(1) from None
@@ -60,6 +65,26 @@ def entrypoint(main: Callable[..., dict | None]) -> Callable[..., dict | None]:
             rundir.release()  # the output directory's lock (shared/core/rundir.py)
 
     return run
+
+
+def _repeat_after_launcher(message: str) -> None:
+    """`accelerate launch` of one process (no torch elastic, so no error file) answers any failed child with its own
+    CalledProcessError traceback, printed after the refusal: a helper process waits for the launcher to exit and
+    prints the refusal again, so that it is the last thing on the screen (the first copy stays, should it fail)."""
+    import subprocess
+    import sys
+
+    parent = os.getppid()
+    try:
+        launcher = Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return
+    if "ACCELERATE_DYNAMO_MODE" not in os.environ or "accelerate" not in launcher:
+        return
+    wait = ("import os, sys, time\nfor _ in range(500):\n    if not os.path.exists(f'/proc/{sys.argv[1]}'): break\n"
+            "    time.sleep(0.02)\nsys.stderr.write('\\n' + sys.argv[2] + '\\n')")
+    subprocess.Popen([sys.executable, "-c", wait, str(parent), f"{message}\n(the reason the launch above failed)"],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
 
 
 def _write_refusal(error_file: str, message: str) -> None:
@@ -171,6 +196,7 @@ def resolve_launch(
     `rules.Run` fields, with `flags` saying how the recipe spells them, so a refusal names the user's own flags.
     """
     quiet.silence_known_noise()  # before DeepSpeed, torchao and bitsandbytes are first imported
+    check_leftover_accelerate(args)  # before the rule table, which would blame a launch config there is none of
     output_dir = args.output_dir or str(Path("outputs") / f"{recipe}-{args.task}")
     mixed_precision = resolve_mixed_precision(args, default_mixed_precision)
     torch_compile = resolve_compile(args)
@@ -261,13 +287,14 @@ def claim_output_dir(launch: Launch) -> None:
 
 def configure_process(launch: Launch) -> None:
     """Right after resolve_launch, before Accelerator(...): what this process's environment needs for the launch."""
+    check_leftover_rendezvous(launch.args)  # last before Accelerator(...), which would wait for the peers
     # Two processes on two cores with torch's default thread count oversubscribe the CPU: a 3 s run took 83 s.
     if not launch.run.on_accelerator and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if launch.run.sharding.startswith("zero") and "LOCAL_RANK" not in os.environ:
         # One process without a launcher (plain `accelerate launch` or `python`): DeepSpeed still needs a process
         # group, and Accelerate only creates one when the launcher's variables are set.
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", RECIPES_OWN_RENDEZVOUS="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
 
 
@@ -308,11 +335,61 @@ def start_run(accelerator: Accelerator, launch: Launch) -> None:
             raise CheckpointError(f"--report_to {args.report_to}: the trackers could not start writing in "
                                   f"{launch.output_dir} ({err.strerror or err}: {err.filename}). Free space there "
                                   "or make it writable, pass another --output_dir, or --report_to none.") from None
+    if not args.mixed_precision and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") != "no":
+        logger.info("mixed_precision=%s from ACCELERATE_MIXED_PRECISION (the launch config; --mixed_precision wins)",
+                    os.environ["ACCELERATE_MIXED_PRECISION"])
     logger.info(
         "%s: task=%s distributed_type=%s processes=%d device=%s mixed_precision=%s output_dir=%s",
         run.recipe, args.task, accelerator.distributed_type.value, accelerator.num_processes,
         accelerator.device, accelerator.mixed_precision, launch.output_dir,
     )
+
+
+# Variables only a launcher sets: torchrun (and `accelerate launch` of several processes), `accelerate launch` of one
+# (ACCELERATE_DYNAMO_MODE) or of DeepSpeed (ACCELERATE_CONFIG_DS_FIELDS), schedulers' own launchers, and our own
+# lone-process DeepSpeed set-up (configure_process). Without one of them, launch variables are leftovers of a shell.
+_LAUNCHER_MARKS = ("TORCHELASTIC_RUN_ID", "ACCELERATE_DYNAMO_MODE", "ACCELERATE_CONFIG_DS_FIELDS", "SLURM_PROCID",
+                   "OMPI_COMM_WORLD_RANK", "PMI_RANK", "RECIPES_OWN_RENDEZVOUS")
+_RENDEZVOUS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_by_launcher(env: dict | None = None) -> bool:
+    env = os.environ if env is None else env
+    return any(mark in env for mark in _LAUNCHER_MARKS)
+
+
+def check_leftover_accelerate(args: argparse.Namespace) -> None:
+    """A plain `python recipes/x.py` in a shell that kept ACCELERATE_* variables (an `export`, a notebook's
+    os.environ) would run what they say, not what was typed: the sharding ones are refused naming the variable, and
+    a mixed precision the flags did not ask for too. Under `accelerate launch` they are the launch config's."""
+    env = os.environ
+    if launched_by_launcher(env) or "WORLD_SIZE" in env:  # (WORLD_SIZE alone: check_leftover_rendezvous)
+        return
+    set_vars = [f"{k}={env[k]}" for k in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
+                if env.get(k, "false").lower() in ("1", "true", "yes")]
+    if set_vars:
+        raise LaunchError(f"{', '.join(set_vars)} is set in the environment, and no launcher started this run: a "
+                          "leftover of an export or an earlier launch, which would make Accelerate shard this "
+                          f"process. `unset {' '.join(v.split('=')[0] for v in set_vars)}`, or start the run with "
+                          "accelerate launch --config_file accelerate_configs/<config>.yaml.")
+    mp = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if mp != "no" and not args.mixed_precision:
+        raise LaunchError(f"ACCELERATE_MIXED_PRECISION={mp} is set in the environment, and no launcher started this "
+                          f"run: it would compute in {mp} although no flag asked for it. Pass --mixed_precision {mp} "
+                          "to ask for it, or `unset ACCELERATE_MIXED_PRECISION` for the recipe's own precision.")
+
+
+def check_leftover_rendezvous(args: argparse.Namespace) -> None:
+    """WORLD_SIZE, RANK, MASTER_ADDR ... left in a shell make a plain run wait for peers that never come (the whole
+    --ddp_timeout), or fail inside Accelerate: refused at once, naming them."""
+    env = os.environ
+    left = [f"{k}={env[k]}" for k in _RENDEZVOUS if k in env]
+    if left and not launched_by_launcher(env):
+        raise LaunchError(f"{', '.join(left)} {'is' if len(left) == 1 else 'are'} set in the environment, and no "
+                          "launcher started this run: leftovers of an export or another launcher's shell. This "
+                          f"process would wait for peers that never start (up to --ddp_timeout {args.ddp_timeout} s). "
+                          f"`unset {' '.join(v.split('=')[0] for v in left)}`, or start the processes with accelerate "
+                          "launch (or torchrun).")
 
 
 def check_environment(mixed_precision: str, uses_deepspeed: bool) -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .boundary import diagnose, explain, loading
 from .errors import InputError
 
 if TYPE_CHECKING:
@@ -101,18 +102,18 @@ def model_source(args: argparse.Namespace) -> str:
     return args.model_name_or_path or f"preset:{args.model_preset}"
 
 
-def check_model_path(name: str | None) -> None:
-    """A path that does not exist fails now, not after a hub lookup that cannot succeed."""
-    if name and not Path(name).expanduser().exists() and name.startswith(("/", ".", "~")):
-        raise InputError(f"--model_name_or_path {name!r} does not exist. Pass an existing directory, a hub id, "
-                         "or leave it unset to build a model from --model_preset.")
-
-
-def unreachable(name: str, err: Exception) -> SystemExit:
-    """The error for a hub id or directory that from_pretrained could not read."""
-    return SystemExit(f"Could not load {name!r}: it is not a local directory and the hub did not serve it "
-                      f"({err.__class__.__name__}: {str(err).splitlines()[0]}). Check the id or the network, pass a "
-                      "local directory, or leave --model_name_or_path unset to use --model_preset.")
+def check_model_path(name: str | None, flag: str = "--model_name_or_path") -> None:
+    """A path that does not exist fails now, not after a hub lookup that cannot succeed; a folder of another kind (a
+    PEFT adapter, a training checkpoint, a saved dataset, a folder without config.json) is named for what it is."""
+    if not name:
+        return
+    if not Path(name).expanduser().exists() and name.startswith(("/", ".", "~")):
+        found, fix = diagnose("model", name)
+        raise InputError(f"{flag} {name!r} does not exist. {fix + ' ' if fix.startswith('Did') else ''}Pass an "
+                         "existing directory, a hub id, or leave it unset to build a model from --model_preset.")
+    found, _ = diagnose("model", name) if Path(name).expanduser().exists() else ("", "")
+    if found and not found.startswith("config.json but no weights"):  # weights are checked where they load
+        raise InputError(explain("model", flag, name))
 
 
 def load_pretrained_config(args: argparse.Namespace, **overrides: object) -> PretrainedConfig:
@@ -125,12 +126,11 @@ def load_pretrained_config(args: argparse.Namespace, **overrides: object) -> Pre
             safe_open(str(path), "pt").keys()
         except SafetensorError as err:
             raise InputError(f"{path} is truncated or corrupt ({err}). Copy or download it again.") from None
-    try:
+    with loading("config", "--model_name_or_path", name):
         config = AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code, **overrides)
-    except OSError as err:
-        raise unreachable(name, err) from None
+        saved = type(config).get_config_dict(name)[0]
     check_fits_task(config, args.task, name)
-    trained, labels = len(type(config).get_config_dict(name)[0].get("id2label") or {}), overrides.get("num_labels")
+    trained, labels = len(saved.get("id2label") or {}), overrides.get("num_labels")
     if "Classification" in str(config.architectures) and trained not in (0, labels or trained) and not getattr(
             args, "ignore_mismatched_sizes", False):  # its head's saved weights would not load
         raise InputError(f"{name!r} is a classifier of {trained} labels, and the data has {labels}. Pass --ignore_"
@@ -251,10 +251,29 @@ def build_model(args: argparse.Namespace, config: PretrainedConfig) -> nn.Module
     train_router(config, model_source(args))
     dtype = weights_dtype(args, config)  # read before from_pretrained/from_config rewrite config.dtype
     if args.model_name_or_path:
-        return auto.from_pretrained(args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code,
-                                    ignore_mismatched_sizes=getattr(args, "ignore_mismatched_sizes", False),
-                                    dtype=dtype, **attn)
+        with loading("model", "--model_name_or_path", args.model_name_or_path):
+            model, info = auto.from_pretrained(
+                args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code,
+                ignore_mismatched_sizes=getattr(args, "ignore_mismatched_sizes", False), output_loading_info=True,
+                dtype=dtype, **attn)
+        check_loaded(args.model_name_or_path, model, info)
+        return model
     return auto.from_config(config, dtype=dtype, **attn)
+
+
+def check_loaded(name: str, model: nn.Module, info: dict) -> None:
+    """Weights of the model's body that the checkpoint lacks would train from random values while the run reports
+    fine-tuning `name` (a config.json whose model_type or sizes were edited, weights of another model): refused.
+    Outside the body (a new task head: classifier, score, DistilBERT's pre_classifier) and a pooler, missing weights
+    are expected: they are what fine-tuning a classifier starts from random."""
+    body = getattr(model, "base_model_prefix", "") + "."
+    missing = [k for k in info.get("missing_keys", []) if k.startswith(body) and ".pooler." not in k]
+    if missing:
+        total = sum(1 for _ in model.state_dict())
+        raise InputError(f"--model_name_or_path {name!r}: {len(missing)} of the model's {total} weights are not in "
+                         f"its checkpoint (e.g. {missing[:3]}) and would start from random values: config.json does "
+                         "not describe these weights (an edited model_type or size, or another model's weights). "
+                         "Save the model again with save_pretrained, or fix config.json.")
 
 
 def transformer_layers(model: nn.Module) -> nn.ModuleList:

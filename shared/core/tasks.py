@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import data, losses, models, rules
+from . import data, datareport, losses, models, rules
+from .boundary import loading
 from .errors import InputError
 from .fsdp_launch import wrap_blocks
 
@@ -57,6 +58,10 @@ class Task:
     # accuracy. With loss_fn set, evaluation also reports eval_loss, the mean of your loss over the validation set.
     compute_metrics: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] | None = None
     inputs_fn: Callable[[dict], dict] | None = None  # the task module's change to the model's inputs (causal_lm.py)
+    # The data report (shared/core/datareport.py): the columns (or folders) used for each role, what was skipped.
+    columns: dict[str, str] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    report: dict = field(default_factory=dict)
 
     def refuse_hooks(self, hooks: tuple[str, ...], why: str) -> None:
         """A recipe that computes its loss or metrics its own way refuses the user's hooks it cannot honour."""
@@ -186,6 +191,9 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
     packed = task.packing != "none"
     if n_train == 0:
         raise InputError(NO_EXAMPLES.format(source=source))
+    check_vocabulary(task, args)
+    task.report = datareport.build_report(task, args, source)
+    datareport.emit(task.report, accelerator, launch.output_dir)  # printed and saved before the first step
     global_batch = batches[0] * accelerator.num_processes
     if global_batch > n_train:
         what = f"{n_train} blocks of {args.max_seq_length} tokens" if packed else f"{n_train} examples"
@@ -194,6 +202,20 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
                          f"({what}). Lower --per_device_train_batch_size{' or --max_seq_length' if packed else ''} "
                          "or add data.")
     return task
+
+
+def check_vocabulary(task: Task, args) -> None:
+    """A tokenizer whose ids run past the model's embedding rows fails mid-run (an index error) or, for a tokenizer of
+    another model, trains rows that meant other tokens: refused before the first step."""
+    if task.tokenizer is None:
+        return
+    rows = task.model.get_input_embeddings().num_embeddings
+    if len(task.tokenizer) > rows:
+        source = f"--tokenizer_name {args.tokenizer_name!r}" if args.tokenizer_name else "the tokenizer"
+        raise InputError(f"{source} has {len(task.tokenizer)} tokens, and the model "
+                         f"({models.model_source(args)}) embeds {rows}: the ids past {rows - 1} have no row. Pass the "
+                         "model's own tokenizer (drop --tokenizer_name), or resize the model's embeddings "
+                         "(model.resize_token_embeddings) and save it.")
 
 
 def task_module(name: str, recipe: str = "RECIPE"):
@@ -261,10 +283,8 @@ def tokenizer_for(args, texts: list[str]):
         raise InputError(f"{flag} {name!r} holds no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])} ...). Pass "
                          "--tokenizer_name with the tokenizer's directory or hub id (the checkpoint the model came "
                          "from), or save it there with tokenizer.save_pretrained(dir).")
-    try:
+    with loading("tokenizer", "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path", name):
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
-    except OSError as err:
-        raise models.unreachable(name, err) from None
     if tok.pad_token is None:  # GPT-2 style tokenizers have none; padding is masked out of the loss anyway
         tok.pad_token = tok.eos_token
     return tok

@@ -61,8 +61,11 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     train_raw, val_raw = data.hold_out(train_raw, val_raw, source)
     train_ds, val_ds = to_dataset(train_raw), to_dataset(val_raw)
     # Blank lines (wikitext has many) hold no target token.
+    rows = len(train_ds), len(val_ds)
     train_ds, val_ds = (ds.filter(lambda b: [bool(t and t.strip()) for t in b[text_col]], batched=True)
                         for ds in (train_ds, val_ds))
+    skipped = [f"{n - len(ds)} blank {split} row(s) (no text to predict)"
+               for split, n, ds in (("training", rows[0], train_ds), ("validation", rows[1], val_ds)) if n > len(ds)]
     if len(train_ds) == 0:
         raise InputError(NO_EXAMPLES.format(source=source))
     packed = args.packing != "none"
@@ -98,9 +101,19 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     collate = packing.BlockCollator() if packed else CausalCollator(tokenizer)
     train_dl, eval_dl = dataloaders(args, accelerator, train_ds, val_ds, collate, batches)
     return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, tokenizer,
-                packing=args.packing, stats=stats, keep_columns=keep, loss_fn=loss_fn,
+                packing=args.packing, stats=stats, keep_columns=keep, loss_fn=loss_fn, columns={"text": text_col},
+                skipped=skipped + _dropped_tokens(args, stats),
                 inputs_fn=model_inputs(args.packing, model))
 
+
+
+def _dropped_tokens(args, stats: dict) -> list[str]:
+    """The data report's line for the tokens packing or the cut leaves out ([]: none)."""
+    if not stats.get("dropped_token_fraction"):
+        return []
+    why = "cut beyond --max_seq_length" if args.packing == "none" else "partial blocks dropped"
+    return [f"{100 * stats['dropped_token_fraction']:.1f}% of the training text's tokens ({why}, --packing "
+            f"{args.packing})"]
 
 
 def _report_packing(args, accelerator, stats: dict) -> None:

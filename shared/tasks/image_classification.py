@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch  # noqa: F401  (for a loss_fn or compute_metrics of your own below)
 
 from ..core import data, datacheck, models
+from ..core.errors import InputError
 from ..core.tasks import Task, dataloaders, given_splits, limit
 
 # Your own loss: def loss_fn(logits, labels, kept) -> the batch's summed loss, which the loop divides by the
@@ -31,6 +32,7 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     cols = [c for c in data.column_names(train_raw) if c != "classes"]
     image_col = data.pick_column(cols, args.image_column, data._IMAGE_GUESSES, "image", "image_column")
     label_col = data.pick_column(cols, args.label_column, data._LABEL_GUESSES, "label", "label_column")
+    datacheck.check_roles({"image": image_col, "label": label_col})
     for split, ds in given_splits(train_raw, val_raw):
         datacheck.check_label_values(list(ds[label_col]), label_col, split)
     if args.train_dir or args.train_file:  # image paths (the built-in and hub images are decoded arrays)
@@ -54,26 +56,42 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
         if names:
             config.id2label = dict(enumerate(names))
     size = config.image_size
+    if getattr(config, "num_channels", 3) != 3:  # every image is converted to RGB: 3 channels reach the model
+        raise InputError(f"{models.model_source(args)!r} takes {config.num_channels}-channel images, and the images "
+                         "are read as RGB (3 channels). Pass a model of 3 input channels, or change ImageDataset in "
+                         "shared/core/data.py to read your channels.")
     # Saved beside the weights, so that pipeline("image-classification", model=output_dir) prepares an image as
     # training did: the same size, resampling and normalization.
     processor = processor or data.image_processor(size, [0.5] * 3, [0.5] * 3)
     mean, std = list(processor.image_mean), list(processor.image_std)
+    if len(mean) != 3 or len(std) != 3:  # a grey model's processor: its normalization would not fit RGB images
+        raise InputError(f"The image processor of {models.model_source(args)!r} normalizes {len(mean)} channel(s) "
+                         f"(image_mean {mean}), and the images are read as RGB (3). Pass a model whose "
+                         "preprocessor_config.json has 3 means and stds, or fix that file.")
     train_ds = data.ImageDataset(list(train_raw[image_col]), [to_id(v) for v in train_labels], size, mean, std)
     val_ds = data.ImageDataset(list(val_raw[image_col]), [to_id(v) for v in val_labels], size, mean, std)
     model = models.build_model(args, config)
     train_dl, eval_dl = dataloaders(args, accelerator, train_ds, val_ds, None, batches)
     return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, processor=processor,
                 stats={"train_examples": len(train_ds)}, loss_fn=loss_fn,
+                columns=({"folders": f"{args.train_dir}/<class>/", "classes": ", ".join(folder_names)} if folder_names
+                         else {"image": image_col, "label": label_col}),
                 compute_metrics=compute_metrics)
 
 
 
 def _pretrained_processor(args):
-    """The pretrained model's own image processor (its normalization), when it ships one."""
-    try:
-        from transformers import AutoImageProcessor
+    """The pretrained model's own image processor (its normalization), when it ships one; one that does not load is
+    refused (the loading boundary), not replaced by a default that normalizes differently."""
+    from pathlib import Path
 
-        proc = AutoImageProcessor.from_pretrained(args.model_name_or_path)
-        return proc if hasattr(proc, "image_mean") and hasattr(proc, "image_std") else None
-    except (OSError, ValueError, AttributeError):
-        return None
+    from transformers import AutoImageProcessor
+
+    from ..core.boundary import loading
+
+    name = args.model_name_or_path
+    if Path(name).is_dir() and not (Path(name) / "preprocessor_config.json").exists():
+        return None  # none shipped: the preset's processing, saved beside the weights
+    with loading("image processor", "--model_name_or_path", name):
+        proc = AutoImageProcessor.from_pretrained(name)
+    return proc if hasattr(proc, "image_mean") and hasattr(proc, "image_std") else None

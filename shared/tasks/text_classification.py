@@ -34,6 +34,8 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     pair_col = (data.pick_column(cols, args.text_pair_column, (), "text pair", "text_pair_column")
                 if args.text_pair_column else None)
     label_col = data.pick_column(cols, args.label_column, data._LABEL_GUESSES, "label", "label_column")
+    roles = {"text": text_col, "text pair": pair_col, "label": label_col}
+    datacheck.check_roles(roles)
     for split, ds in given_splits(train_raw, val_raw):
         for col in filter(None, (text_col, pair_col)):
             datacheck.check_texts(list(ds[col]), col, split)
@@ -76,4 +78,5 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     lengths = [len(x) for x in train_ds["input_ids"]]
     stats = datastats.text_stats(lengths, None, batches[0], args.seed)
     return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, tokenizer, stats=stats,
-                keep_columns=keep, loss_fn=loss_fn, compute_metrics=compute_metrics)
+                columns={k: v for k, v in roles.items() if v}, keep_columns=keep, loss_fn=loss_fn,
+                compute_metrics=compute_metrics)

@@ -116,6 +116,24 @@ def check_linear_only(model: nn.Module, recipe: str, does: str) -> None:
                       outside_linear=weights_outside_linear(model))
 
 
+def check_lora_targets(model: nn.Module, targets: str) -> None:
+    """--lora_target_modules names that match no layer of the model: PEFT would stop with NoMatchingPeftModuleError
+    when some match none, and quietly adapt fewer layers than named when others match. Refused before loading."""
+    if targets == "all-linear":
+        return
+    names = [n for n, m in model.named_modules() if n]
+    leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+    missing = [t for t in targets.split(",") if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        import difflib
+
+        near = {t: difflib.get_close_matches(t, leaves, 1) for t in missing}
+        hint = "; ".join(f"{t}: did you mean {m[0]}?" for t, m in near.items() if m)
+        raise InputError(f"--lora_target_modules: {', '.join(missing)} match(es) no layer of "
+                         f"{type(model).__name__}{' (' + hint + ')' if hint else ''}. Its Linear layers are "
+                         f"{leaves[:12]}; pass some of them, or all-linear.")
+
+
 def conv1d_to_linear(model: nn.Module) -> nn.Module:
     """Swap GPT-2's Conv1D (a Linear with its weight stored transposed) for nn.Linear, in place: quantization
     libraries (torchao quantize_, torch dynamic quantization) only recognise nn.Linear. The math is unchanged; the
