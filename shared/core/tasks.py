@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import data, losses, models
+from .args import DECODER_TASKS
 from .errors import InputError
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ class Task:
                 value, count = accelerator.gather((value, count.reshape(1).to(value.device)))
                 sums.append(value.sum().item())
                 counts.append(count.sum().item())
-            elif self.name == "causal-lm":
+            elif self.name in DECODER_TASKS:
                 logits, labels = logits[:, :-1], labels[:, 1:]
                 per_token = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
                 value, count = per_token.sum(dim=1), (labels != -100).sum(dim=1)
@@ -131,13 +132,13 @@ class Task:
                 value, count = accelerator.gather_for_metrics((value, count))
                 sums.append(value.sum().item())
                 counts.append(count.sum().item())
-            if self.name != "causal-lm":
+            if self.name not in DECODER_TASKS:
                 predicted, labels = accelerator.gather_for_metrics((logits.argmax(-1), labels))
                 predictions.append(predicted.cpu())
                 targets.append(labels.cpu())
         model.train(was_training)
         mean = sum(sums) / max(1, sum(counts))
-        if self.name == "causal-lm":
+        if self.name in DECODER_TASKS:
             return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50.0))}
         out = {"eval_loss": mean} if self.loss_fn is not None else {}
         predicted, labels = torch.cat(predictions), torch.cat(targets)
@@ -169,10 +170,12 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
         raise InputError(f"--text_pair_column serves --task text-classification (sentence pairs), not {args.task}. "
                          "Drop it, or pass --task text-classification.")
     with accelerator.main_process_first():  # the first process fills the datasets cache, the others reuse it
-        train_raw, val_raw, source = data.load_raw_splits(args)
+        # A task module may bring its own built-in data (sft.py's): else data.py's, files or the hub
+        train_raw, val_raw, source = getattr(module, "load_raw_splits", data.load_raw_splits)(args)
     if missing := [c for c in keep_columns if c not in data.column_names(train_raw)]:
         raise InputError(f"keep_columns: the training data has no column {missing} ({data.column_names(train_raw)}).")
-    if keep_columns and (args.task == "image-classification" or args.task == "causal-lm" and args.packing != "none"):
+    if keep_columns and (args.task in ("image-classification", "sft") or args.task == "causal-lm"
+                         and args.packing != "none"):
         raise InputError("keep_columns serves text-classification, and causal-lm with --packing none (a packed block "
                          f"holds parts of many rows), not --task {args.task} --packing {args.packing}.")
     task = module.build(args, accelerator, train_raw, val_raw, source, batches, tuple(keep_columns))
