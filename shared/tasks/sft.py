@@ -24,7 +24,7 @@ import torch
 
 from ..core import data, datacheck, datastats, models
 from ..core.errors import InputError
-from ..core.tasks import Task, dataloaders, limit, preset_vocab, tokenizer_for
+from ..core.tasks import Task, dataloaders, preset_vocab, tokenizer_for
 from . import chat
 from .causal_lm import model_inputs
 from .packing import BlockCollator
@@ -107,7 +107,7 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
         cut = max(1, len(train_rows) // 10)
         order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(0)).tolist()
         val_rows, train_rows = [train_rows[i] for i in order[:cut]], [train_rows[i] for i in order[cut:]]
-    train_rows, val_rows = limit(train_rows, args.max_train_samples), limit(val_rows, args.max_eval_samples)
+    train_rows, val_rows = train_rows[:args.max_train_samples], val_rows[:args.max_eval_samples]  # conversations
     texts = [chat.plain_text(r) for r in train_rows[:20000]]  # what a preset's word-level tokenizer learns
     tokenizer = tokenizer_for(args, texts)
     template = chat.set_template(tokenizer, args.chat_template, layout)
