@@ -281,3 +281,38 @@ def test_ddp_equals_one_process(tmp_path):
     assert two["train_target_tokens"] == one["train_target_tokens"] and two["packing"] if "packing" in two else True
     assert max_param_diff(load_params(tmp_path / "one"), load_params(tmp_path / "two")) <= 1e-5
     assert abs(two["eval_loss"] - one["eval_loss"]) <= 1e-5
+
+
+SFT_REFUSED = {  # recipe -> words of its refusal of --task sft at its own launch, per-document packed (the default)
+    "sequence_parallel": "sft's whole conversations need a per-document mask",
+    "pipeline_parallel": "Use --packing none with it",
+    "data_model_parallel": "Use --packing none with it",
+}
+
+
+def test_every_recipe_takes_sft_or_its_rule_refuses_it_with_the_reason():
+    from shared.core import rules
+
+    for recipe, support in rules.RECIPES.items():
+        sharding = support.shardings[-1] if support.min_processes > 1 else support.shardings[0]
+        run = rules.Run(recipe, sharding, sharding, num_processes=max(support.min_processes, 1), task="sft",
+                        packing="per_document", precision=support.precision or "no", offload="cpu" if
+                        support.needs_offload else "none", model_given=support.needs_trained_model)
+        found = " ".join(rules.refusals(run))
+        if recipe in SFT_REFUSED:
+            assert SFT_REFUSED[recipe] in found, (recipe, found)
+        else:
+            assert not found, (recipe, found)
+    # --packing none takes the pipelines; concat is refused for sft everywhere (conversations would be cut)
+    for recipe in ("pipeline_parallel", "data_model_parallel"):
+        n = rules.RECIPES[recipe].min_processes
+        assert not rules.refusals(rules.Run(recipe, "ddp", "ddp", num_processes=n, task="sft", packing="none"))
+    found = rules.refusals(rules.Run("baseline", "none", "none", task="sft", packing="concat"))
+    assert found and "cut mid-answer" in found[0] and "--packing none" in found[0]
+
+
+def test_sft_flags_with_another_task_are_refused():
+    from shared.core.args import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--task", "causal-lm", "--chat_template", "x.jinja"])
