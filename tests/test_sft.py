@@ -316,3 +316,102 @@ def test_sft_flags_with_another_task_are_refused():
 
     with pytest.raises(SystemExit):
         parse_args(["--task", "causal-lm", "--chat_template", "x.jinja"])
+
+
+SMALL = ["--task", "sft", "--model_preset", "tiny-llama", "--max_train_samples", 64, "--max_eval_samples", 8,
+         "--max_seq_length", 64, "--per_device_train_batch_size", 4, "--max_train_steps", 2]
+ONE_PROCESS = ["baseline", "mixed_precision", "gradient_accumulation", "activation_checkpointing", "optim_8bit",
+               "optim_low_bit", "pruning", "qat", "optimizer_in_backward", "fp8", "activation_offloading",
+               "chunked_loss", "combined", "qlora", "model_parallel"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ONE_PROCESS)
+def test_one_process_recipe_trains_sft(recipe, tmp_path):
+    r = run_recipe(recipe, tmp_path, *SMALL, "--generate", 1, "--no_save_model")
+    assert r["task"] == "sft" and r["train_target_tokens"] > 0 and r["eval_perplexity"] > 1
+    assert r["generated_samples"] == 1 and (tmp_path / "samples.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_ptq_quantizes_an_sft_model(tmp_path):
+    run_recipe("baseline", tmp_path / "trained", *SMALL)
+    r = run_recipe("ptq", tmp_path / "ptq", "--task", "sft", "--model_name_or_path", tmp_path / "trained",
+                   "--max_eval_samples", 8, "--max_seq_length", 64)
+    assert r["task"] == "sft"
+
+
+EQUAL = ["--disable_dropout", "--max_train_samples", 128, "--max_eval_samples", 16, "--max_seq_length", 64,
+         "--max_train_steps", 2, "--task", "sft", "--model_preset", "tiny-llama"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe,config,extra", [
+    ("zero", "zero3.yaml", []), ("fsdp", "fsdp.yaml", []), ("tensor_parallel", "multi_cpu.yaml", [])])
+def test_sharded_sft_equals_one_process(recipe, config, extra, tmp_path):
+    """ZeRO-3, FSDP2 and tensor parallel in 2 processes == 1 process (baseline), per-document packed, with
+    --generate run on the sharded model."""
+    run_recipe("baseline", tmp_path / "one", *EQUAL, "--per_device_train_batch_size", 8)
+    batch = 4 if recipe != "tensor_parallel" else 8  # TP: every process reads the whole batch
+    r = launch(recipe, tmp_path / "two", *EQUAL, *extra, "--per_device_train_batch_size", batch, "--generate", 2,
+               config=config)
+    assert r["num_processes"] == 2 and r["generated_samples"] == 2
+    assert max_param_diff(load_params(tmp_path / "one"), load_params(tmp_path / "two")) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe,config,extra", [
+    ("expert_parallel", "multi_cpu.yaml", ["--model_preset", "tiny-moe"]),
+    ("pipeline_parallel", "pipeline.yaml", ["--packing", "none"]),
+    ("zero3_offload", "zero3_offload.yaml", [])])
+def test_other_multi_process_recipes_train_sft(recipe, config, extra, tmp_path):
+    r = launch(recipe, tmp_path, *SMALL, *extra, "--no_save_model", config=config)
+    assert r["task"] == "sft" and r["eval_perplexity"] > 1
+
+
+def test_copied_baseline_runs_sft_on_a_users_jsonl_outside_the_repository(tmp_path):
+    """`python -m shared.tools.cp baseline DEST --task sft`: the copy carries the sft modules (and what they import)
+    and trains a user's chat JSONL, prompt/completion this time, from DEST."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "OMP_NUM_THREADS": "1"}
+    dest = tmp_path / "myproj"
+    proc = subprocess.run([sys.executable, "-m", "shared.tools.cp", "baseline", str(dest), "--task", "sft"], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert {"sft.py", "chat.py", "causal_lm.py", "packing.py"} <= {p.name for p in (dest / "recipe_core" / "tasks")
+                                                                    .iterdir()}
+    rows = [{"prompt": [{"role": "user", "content": f"say {w}"}], "completion": [{"role": "assistant", "content": w}]}
+            for w in ("yes", "no", "maybe", "later") * 8]
+    _jsonl(tmp_path / "mine.jsonl", rows)
+    proc = subprocess.run([sys.executable, "baseline.py", "--task", "sft", "--model_preset", "tiny-llama",
+                           "--train_file", str(tmp_path / "mine.jsonl"), "--max_train_steps", "2", "--report_to",
+                           "none", "--per_device_train_batch_size", "4", "--generate", "1", "--output_dir", "out"],
+                          cwd=dest, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert str(root) not in proc.stdout + proc.stderr.replace(str(Path(sys.prefix).resolve()), "<venv>")
+    r = json.loads((dest / "out" / "results.json").read_text())
+    assert r["sft_layout"] == "conversational prompt/completion" and r["sft_conversations_kept"] == 29
+    assert (dest / "out" / "samples.jsonl").exists()
+
+
+def test_saved_dataset_directory_and_string_prompt_completion(tmp_path):
+    """A `datasets` save_to_disk directory is read; string prompt/completion is not templated: the completion and
+    the EOS after it are the targets (as TRL's SFTTrainer)."""
+    import datasets
+
+    from shared.tasks import sft
+
+    split = datasets.Dataset.from_dict({"prompt": ["Add 2 and 3."] * 4, "completion": [" 5"] * 4})
+    datasets.DatasetDict({"train": split}).save_to_disk(tmp_path / "d")
+    args = argparse.Namespace(dataset_name=str(tmp_path / "d"), train_file=None)
+    train, val, source = sft.load_raw_splits(args)
+    assert len(train) == 4 and val is None and "saved dataset" in source
+    rows = chat.rows(train, chat.pick_layout(train.column_names, _args()), "training")
+    tok = byte_level_tokenizer("llama3")
+    sample = chat.Encoder(tok, 64, False).all(rows, "training", True)[0][0]
+    targets = [i for i, x in zip(sample["input_ids"], sample["labels"], strict=True) if x != -100]
+    assert tok.decode(targets) == " 5<|eot_id|>" and tok.decode(sample["input_ids"]).startswith("<|begin_of_text|>Add")

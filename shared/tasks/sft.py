@@ -38,6 +38,19 @@ loss_fn = None
 
 def load_raw_splits(args) -> tuple[object, object, str]:
     """The user's data (data.py), or the built-in instruction set: reverse a few words, exact answers."""
+    saved = args.dataset_name and any((Path(args.dataset_name) / f).exists() for f in ("dataset_dict.json",
+                                                                                         "state.json"))
+    if saved:  # a directory written by datasets' save_to_disk, which load_dataset does not read
+        import datasets
+
+        loaded = datasets.load_from_disk(args.dataset_name)
+        if isinstance(loaded, datasets.Dataset):
+            return loaded, None, f"saved dataset {args.dataset_name}"
+        if "train" not in loaded:
+            raise InputError(f"--dataset_name {args.dataset_name}: the saved dataset has no 'train' split (it has "
+                             f"{sorted(loaded)}). Save one named train.")
+        val = next((loaded[s] for s in ("validation", "valid", "test") if s in loaded), None)
+        return loaded["train"], val, f"saved dataset {args.dataset_name}"
     if args.train_file or args.dataset_name:
         return data.load_raw_splits(args)
     return chat.reverse_words(2000, seed=1), chat.reverse_words(400, seed=2), "built-in offline dataset (reverse)"
