@@ -250,7 +250,8 @@ def parse_args(
     args.explicit_flags = {k for k, v in vars(probe).items() if v is not marker}
     # Combinations that would silently do less than asked.
     if args.task != "sft" and (given := [f"--{f}" for f in SFT_FLAGS if f in args.explicit_flags]):
-        p.error(f"{', '.join(given)} serve --task sft (chat and instruction data), not --task {args.task}. "
+        p.error(f"{', '.join(given)} {'serve' if len(given) > 1 else 'serves'} --task sft (chat and instruction "
+                f"data), not --task {args.task}. "
                 "Pass --task sft, or drop them.")
     if args.save_total_limit is not None and args.checkpointing_steps is None:
         p.error("--save_total_limit keeps the newest N checkpoints, but none are written without "
