@@ -57,6 +57,7 @@ class Task:
     # accuracy. With loss_fn set, evaluation also reports eval_loss, the mean of your loss over the validation set.
     compute_metrics: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] | None = None
     inputs_fn: Callable[[dict], dict] | None = None  # the task module's change to the model's inputs (causal_lm.py)
+    output_dir: str = ""  # the run's (load_task sets it): where a task writes what it makes beside results.json
 
     def refuse_hooks(self, hooks: tuple[str, ...], why: str) -> None:
         """A recipe that computes its loss or metrics its own way refuses the user's hooks it cannot honour."""
@@ -179,6 +180,7 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
         raise InputError("keep_columns serves text-classification, and causal-lm with --packing none (a packed block "
                          f"holds parts of many rows), not --task {args.task} --packing {args.packing}.")
     task = module.build(args, accelerator, train_raw, val_raw, source, batches, tuple(keep_columns))
+    task.output_dir = launch.output_dir
     n_train = len(task.train_dataloader.dataset)
     packed = task.packing != "none"
     if n_train == 0:

@@ -85,7 +85,7 @@ class SFTTask(Task):
         samples = [self._answer(model, p, accelerator.device) for p in self.prompts[:self.generate]]
         model.train(was_training)
         if accelerator.is_main_process:
-            path = Path(accelerator.project_dir) / "samples.jsonl"
+            path = Path(self.output_dir) / "samples.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(json.dumps(s) + "\n" for s in samples))
             logger.info("wrote %d greedy answers to %s", len(samples), path)
@@ -121,8 +121,9 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
         order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(0)).tolist()
         val_rows, train_rows = [train_rows[i] for i in order[:cut]], [train_rows[i] for i in order[cut:]]
     train_rows, val_rows = train_rows[:args.max_train_samples], val_rows[:args.max_eval_samples]  # conversations
+    lm_args = type(args)(**{**vars(args), "task": "causal-lm"})  # the model and a preset's tokenizer: a causal LM's
     texts = [chat.plain_text(r) for r in train_rows[:20000]]  # what a preset's word-level tokenizer learns
-    tokenizer = tokenizer_for(args, texts)
+    tokenizer = tokenizer_for(lm_args, texts)
     template = chat.set_template(tokenizer, args.chat_template, layout)
     if accelerator.is_main_process:
         logger.info("sft data: %s layout; chat template: %s", layout.kind, template)
@@ -157,7 +158,6 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
         logger.info("sft data, --packing %s: %d conversations kept (dropped: %s) in %d samples, %d target and %d "
                     "prompt tokens per epoch", mode, len(train), train_dropped or "none", len(train_ds),
                     stats["train_target_tokens"], stats["train_prompt_tokens"])
-    lm_args = type(args)(**{**vars(args), "task": "causal-lm"})  # the model is a causal LM's
     config = (models.load_pretrained_config(lm_args) if args.model_name_or_path else
               models.preset_config("causal-lm", args.model_preset, vocab_size=preset_vocab(tokenizer, args),
                                    pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
