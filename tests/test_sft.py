@@ -415,3 +415,12 @@ def test_saved_dataset_directory_and_string_prompt_completion(tmp_path):
     sample = chat.Encoder(tok, 64, False).all(rows, "training", True)[0][0]
     targets = [i for i, x in zip(sample["input_ids"], sample["labels"], strict=True) if x != -100]
     assert tok.decode(targets) == " 5<|eot_id|>" and tok.decode(sample["input_ids"]).startswith("<|begin_of_text|>Add")
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_empty_data_file_is_refused(tmp_path, content):
+    from shared.core import data
+
+    (tmp_path / "chat.jsonl").write_text(content)
+    with pytest.raises(InputError, match="is empty. Pass a file with rows"):
+        data._load_file(str(tmp_path / "chat.jsonl"))

@@ -179,6 +179,8 @@ def _load_file(path: str):
     import datasets
 
     kind = _FILE_TYPES[Path(path).suffix.lower()]
+    if Path(path).stat().st_size < 1 << 20 and not Path(path).read_bytes().strip():  # datasets: a bare StopIteration
+        raise InputError(f"The data file {path} is empty. Pass a file with rows.")
     try:
         ds = datasets.load_dataset(kind, data_files={"train": path}, split="train")
     except ValueError as err:
