@@ -389,12 +389,14 @@ def test_copied_baseline_runs_sft_on_a_users_jsonl_outside_the_repository(tmp_pa
     _jsonl(tmp_path / "mine.jsonl", rows)
     proc = subprocess.run([sys.executable, "baseline.py", "--task", "sft", "--model_preset", "tiny-llama",
                            "--train_file", str(tmp_path / "mine.jsonl"), "--max_train_steps", "2", "--report_to",
-                           "none", "--per_device_train_batch_size", "4", "--generate", "1", "--output_dir", "out"],
+                           "none", "--per_device_train_batch_size", "4", "--packing", "none", "--generate", "1",
+                           "--output_dir", "out"],
                           cwd=dest, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert str(root) not in proc.stdout + proc.stderr.replace(str(Path(sys.prefix).resolve()), "<venv>")
     r = json.loads((dest / "out" / "results.json").read_text())
     assert r["sft_layout"] == "conversational prompt/completion" and r["sft_conversations_kept"] == 29
+    assert r["train_examples"] == 29  # --packing none: one conversation a row
     assert (dest / "out" / "samples.jsonl").exists()
 
 

@@ -182,7 +182,17 @@ def rows(split, layout: Layout, name: str) -> list[dict]:
         raise InputError(f"The {name} data ({layout.kind}, {what}) cannot be trained as it is: " + " ".join(
             f"row {_rows_named(ix)} {PROBLEMS[k][0]}: {PROBLEMS[k][1]}." for k, ix in found.items())
             + " Rows are counted from 1.")
+    if layout.kind == "prompt/completion" and len({"messages" in r for r in out}) > 1:
+        raise InputError(f"The {name} data mixes conversational prompt/completion rows (lists of turns) with string "
+                         "ones. Store every row one way.")
     return out
+
+
+def resolved(layout: Layout, rows: list[dict]) -> Layout:
+    """Prompt/completion data is conversational when its cells are lists of turns (the rows say which)."""
+    if layout.kind == "prompt/completion" and rows and "messages" in rows[0]:
+        return Layout("conversational prompt/completion", layout.columns)
+    return layout
 
 
 def plain_text(row: dict) -> str:

@@ -115,6 +115,10 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     layout = chat.pick_layout(data.column_names(train_raw), args)
     train_rows = chat.rows(train_raw, layout, "training")  # refused here, naming the rows, before any work
     val_rows = chat.rows(val_raw, layout, "validation") if val_raw is not None else None
+    if val_rows and chat.resolved(layout, val_rows) != chat.resolved(layout, train_rows):
+        raise InputError("The training and the validation data hold prompt/completion in two ways (lists of turns, "
+                         "strings). Store both one way.")
+    layout = chat.resolved(layout, train_rows)
     if val_rows is None:  # 10% held out, the same rows for every seed (as data.hold_out)
         datacheck.check_can_hold_out(len(train_rows), source)
         cut = max(1, len(train_rows) // 10)
