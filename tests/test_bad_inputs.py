@@ -46,6 +46,7 @@ def _folder(tmp: Path, classes=("a", "b"), images: bool = True, name: str = "img
     return tmp / name
 
 
+_CHAT = [{"role": "user", "content": "reverse : a b"}, {"role": "assistant", "content": "b a"}]
 _ROWS = [(f"good film number {i}" if i % 2 else f"bad movie number {i}", i % 2) for i in range(40)]
 
 
@@ -770,6 +771,19 @@ CASES = [
     Case("edited-model-type", "config.json's model_type edited (BERT weights under a GPT-2 config trained from "
          "random values)", ["--max_seq_length", "32"], ["weights are not in its checkpoint", "random values"],
          setup=lambda t: ["--model_name_or_path", _retyped(t), "--train_file", _table(t)]),
+    # --task sft (shared/tasks/chat.py): one check over every row, the layout chosen, the flags of the task
+    Case("sft-two-layouts", "chat data with both a messages and a text column, and no choice made",
+         ["--task", "sft", "--model_preset", "tiny-llama"], ["which one to train is a choice", "--messages_column"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"messages": _CHAT, "text": "x"}] * 20)],
+         fix=["--task", "sft", "--model_preset", "tiny-llama", "--messages_column", "messages",
+              "--per_device_train_batch_size", "2"]),
+    Case("sft-ends-on-user", "a conversation that ends on a user turn (no answer to learn)",
+         ["--task", "sft", "--model_preset", "tiny-llama"], ["row 3 ends on a user or system turn",
+                                                             "end every conversation on an assistant turn"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"messages": _CHAT}] * 2 + [{"messages": [*_CHAT, _CHAT[0]]}]
+                                                   + [{"messages": _CHAT}] * 20)]),
+    Case("sft-flag-without-sft", "a chat template for a task that is not sft", ["--chat_template", "t.jinja"],
+         ["serves --task sft", "Pass --task sft, or drop them"]),
 ]
 # The earlier rows whose fix is a flag or a recipe, followed (argv, recipe, env); the others' fix is in the data, a
 # pip install, or a launch of several processes (test_following_a_launch_fix_clears_the_rule).

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAX_README_WORDS = 2200  # as `wc -w README.md` counts them
 GENERATED = ["launch_grid.md", "decoder_presets.md", "matrix.md", "compat.md", "planner_examples.md",
-             "checkpointing_curve.md"]
+             "checkpointing_curve.md", "sft_learns.md"]
 
 
 def _contiguous_run(snippet: list[str], source: list[str]) -> bool:

@@ -47,6 +47,8 @@ BAD_INPUTS = {
         "a JSON setting that would leave the final model unsaved",
     ("shared/techniques/deepspeed_setup.py", "_check_async_io", "NVMe offload needs DeepSpeed's async_io"):
         "a library missing from this machine",
+    ("shared/techniques/pipeline_stages.py", "stage_loss", "--generate: "): "sft's greedy answers asked of pipeline "
+                                                                          "stages, none of which holds the model",
     ("shared/techniques/pipeline_stages.py", "split_layers", "--layers_per_stage "): "a --layers_per_stage that does "
                                                                                      "not parse or add up",
     # A checkpoint written by another layout that these recipes cannot reshard (docs/resharding.md).
@@ -150,7 +152,7 @@ _ASKS = [
     {"spread_devices": True}, {"merge_unsaved": True}, {"stages_per_replica": 3}, {"tensor_parallel_size": 3},
     {"parallelism_config": "tp=2 cp=2", "on_accelerator": False}, {"packing": "per_document"},
     {"task": "text-classification"}, {"task": "text-classification", "packing": "per_document"},
-    {"task": "causal-lm", "seq_len": 7}, {"task": "causal-lm", "packing": "none"},
+    {"task": "causal-lm", "seq_len": 7}, {"task": "causal-lm", "packing": "none"}, {"task": "sft", "packing": "concat"},
     {"offload": "nvme"}, {"offload": "cpu"}, {"microbatches": 4, "batch_size": 6},
     {"microbatches": 2, "batch_size": 4, "accumulation": 2},
     {"checkpoint_impl": "hf", "checkpoint_every": 2}, {"checkpoint_impl": "hf", "checkpoint_policy": "selective"},

@@ -18,7 +18,9 @@ from .errors import LaunchError
 DECODERS = ("tiny-llama", "tiny-moe", "tiny-qwen2", "tiny-qwen3-moe", "tiny-mistral")
 PRESETS = ("tiny", "base", *DECODERS)
 
-TASKS = ("text-classification", "causal-lm", "image-classification")
+TASKS = ("text-classification", "causal-lm", "image-classification", "sft")
+DECODER_TASKS = ("causal-lm", "sft")  # trained with the next-token loss (sft: on its target tokens only)
+SFT_FLAGS = ("chat_template", "messages_column", "prompt_column", "completion_column", "train_on_prompt", "generate")
 PACKING = ("concat", "per_document", "none")  # shared/tasks/packing.py
 # Resolved after parsing when --learning_rate is unset: fine-tuning pretrained weights (the Transformers examples'
 # default) wants a far smaller step than training a randomly initialised preset from scratch.
@@ -215,7 +217,8 @@ def parse_args(
     g.add_argument("--max_seq_length", type=COUNT, default=128,
                    help="Tokens per sample: the block length when packed, the cut otherwise.")
     g.add_argument("--packing", default="concat", choices=PACKING,
-                   help="causal-lm: how documents (rows, or lines of a .txt) become samples. concat: tokenized, "
+                   help="causal-lm: how documents (rows, or lines of a .txt) become samples (sft: per_document by "
+                        "default, whole conversations; or none). concat: tokenized, "
                         "joined with EOS between documents and cut into blocks of --max_seq_length, the last partial "
                         "block of each 1000 documents dropped (as Transformers' run_clm): no padding, nearly every "
                         "token trained. per_document: the same "
@@ -223,6 +226,18 @@ def parse_args(
                         "causal mask and position_ids restarting at each document). none: one document per sample, "
                         "padded, and cut at --max_seq_length (what does not fit is lost; the run warns). Packed, "
                         "--max_train_samples and --max_eval_samples count blocks.")
+    g.add_argument("--messages_column", default=None, help="sft: the column of conversations (a list of {role, "
+                   "content}); guessed: messages, conversations.")
+    g.add_argument("--prompt_column", default=None, help="sft: the prompt column, or several joined by a blank line "
+                   "(Alpaca: instruction,input); guessed: prompt.")
+    g.add_argument("--completion_column", default=None, help="sft: the answer column (Alpaca: output); guessed: "
+                   "completion.")
+    g.add_argument("--chat_template", default=None, help="sft: a Jinja chat template file, used instead of the "
+                   "tokenizer's own (a tokenizer without one gets a plain built-in template).")
+    g.add_argument("--train_on_prompt", action="store_true", help="sft: every token is a target, the prompts too "
+                   "(default: the assistant turns or the completion only).")
+    g.add_argument("--generate", type=number(int, low=0), default=0, help="sft: after training, greedy answers to "
+                   "the first N validation prompts, written to samples.jsonl beside results.json.")
     g.add_argument("--dataloader_num_workers", type=number(int, low=0), default=0,
                    help="Processes that load and collate batches (0: the training process itself). Memory is pinned "
                         "when the device is CUDA.")
@@ -302,6 +317,10 @@ def parse_args(
     probe = p.parse_args(argv, namespace=argparse.Namespace(**{a.dest: marker for a in p._actions}))
     args.explicit_flags = {k for k, v in vars(probe).items() if v is not marker}
     # Combinations that would silently do less than asked.
+    if args.task != "sft" and (given := [f"--{f}" for f in SFT_FLAGS if f in args.explicit_flags]):
+        p.error(f"{', '.join(given)} {'serve' if len(given) > 1 else 'serves'} --task sft (chat and instruction "
+                f"data), not --task {args.task}. "
+                "Pass --task sft, or drop them.")
     if args.save_total_limit is not None and args.checkpointing_steps is None:
         p.error("--save_total_limit keeps the newest N checkpoints, but none are written without "
                 "--checkpointing_steps. Pass --checkpointing_steps N too, or drop --save_total_limit.")

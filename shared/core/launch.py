@@ -226,7 +226,8 @@ def resolve_launch(
     run = rules.Run(recipe=recipe, sharding=sharding, launched=launched, offload=offload, num_processes=world,
                      precision=mixed_precision, on_accelerator=not on_cpu, attention=args.attn_implementation or "",
                      accumulation=accumulation, max_grad_norm=clipping, compile=torch_compile, lone_launch=lone,
-                     packing=args.packing if args.task == "causal-lm" or "packing" in args.explicit_flags else "none",
+                     packing=args.packing if args.task == "causal-lm" or "packing" in args.explicit_flags else
+                     "per_document" if args.task == "sft" else "none",  # sft: whole conversations, kept apart
                      parallelism_config=rules.launched_parallelism(os.environ),
                      async_checkpoint=args.async_checkpoint, weights=args.weights_dtype,
                      preset="" if args.model_name_or_path else args.model_preset, **{"task": args.task, **asks})

@@ -9,6 +9,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .args import DECODER_TASKS
+
 IGNORE = -100  # a label that is no target: padding, and the last position of a causal-LM sequence
 
 
@@ -38,11 +40,11 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 
 def summed_loss(task_name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The task's summed loss of (logits, labels)."""
-    return causal_lm_loss if task_name == "causal-lm" else classification_loss
+    return causal_lm_loss if task_name in DECODER_TASKS else classification_loss
 
 
 def count_items(task_name: str, labels: torch.Tensor) -> torch.Tensor:
     """What the summed loss is divided by: target tokens for a causal LM, samples for classification."""
-    if task_name == "causal-lm":
+    if task_name in DECODER_TASKS:
         return (labels[:, 1:] != IGNORE).sum()
     return torch.tensor(labels.numel(), device=labels.device)

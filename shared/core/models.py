@@ -23,6 +23,7 @@ _AUTO_CLASS_NAMES = {
     "text-classification": "AutoModelForSequenceClassification",
     "causal-lm": "AutoModelForCausalLM",
     "image-classification": "AutoModelForImageClassification",
+    "sft": "AutoModelForCausalLM",
 }
 
 
@@ -89,7 +90,7 @@ def preset_config(task: str, preset: str, vocab_size: int = 30522, num_labels: i
         dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                     max_position_embeddings=128, vocab_size=vocab_size) if preset == "tiny" else {}
         return BertConfig(num_labels=num_labels, **dims, **token_ids)
-    if task == "causal-lm":
+    if task in ("causal-lm", "sft"):
         dims = dict(n_embd=64, n_layer=2, n_head=2, n_positions=128, vocab_size=vocab_size) if preset == "tiny" else {}
         return GPT2Config(**dims, **token_ids)
     dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
@@ -150,6 +151,7 @@ def check_fits_task(config: PretrainedConfig, task: str, name: str) -> None:
     mappings = {"text-classification": modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
                 "causal-lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                 "image-classification": modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}
+    mappings["sft"] = mappings["causal-lm"]
     kind = config.model_type
     if getattr(config, "auto_map", None):  # remote code brings its own classes: Transformers' tables don't know
         return
@@ -158,7 +160,7 @@ def check_fits_task(config: PretrainedConfig, task: str, name: str) -> None:
         raise InputError(f"{name!r} is a {kind} model, which has no {task} head in Transformers. "
                          + (f"Pass --task {' or --task '.join(serves)}, or " if serves else "Pass ")
                          + f"a model built for {task}.")
-    bidirectional = (task == "causal-lm" and kind in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    bidirectional = (task in ("causal-lm", "sft") and kind in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
                      and not getattr(config, "is_decoder", False) and not getattr(config, "is_encoder_decoder", False))
     if bidirectional:
         # Its attention sees every position: as a causal LM each token would see the one it predicts, and the loss

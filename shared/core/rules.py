@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from .args import DECODERS, OPTIMIZERS
+from .args import DECODER_TASKS, DECODERS, OPTIMIZERS
 from .errors import LaunchError
 
 SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -164,7 +164,7 @@ class Run:
     parallelism_config: str = ""  # Accelerate's ParallelismConfig from the launch config, e.g. "tp=2 cp=2" ("": none)
     packing: str = "none"  # causal LM: concat | per_document | none (shared/tasks/packing.py)
     compile: str = "none"  # torch.compile through Accelerate's TorchDynamoPlugin: none | regional | full
-    task: str = ""  # text-classification | causal-lm | image-classification ("": not checked)
+    task: str = ""  # text-classification | causal-lm | image-classification | sft ("": not checked)
     async_checkpoint: bool = False  # --async_checkpoint: checkpoints written in the background
     model_given: bool = True  # --model_name_or_path was passed (False: the recipe's own fresh preset)
     preset: str = ""  # --model_preset when no --model_name_or_path is given ("": a given model)
@@ -299,10 +299,15 @@ RULES: list[Rule] = [
     Rule(lambda r: r.packing == "per_document" and RECIPES[r.recipe].own_attention_mask,
          lambda r: f"--packing per_document: recipes/{r.recipe}.py runs the model through its own pipeline stages, "
                    "whose plain causal mask would let packed documents attend to each other",
-         lambda r: "use --packing concat or --packing none with it"),
-    Rule(lambda r: r.task not in ("", "causal-lm") and r.packing != "none",
+         lambda r: "use --packing none with it" if r.task == "sft" else "use --packing concat or --packing none"),
+    Rule(lambda r: r.task not in ("", *DECODER_TASKS) and r.packing != "none",
          lambda r: f"--packing {r.packing} with --task {r.task}: it packs causal-LM documents, so it would do nothing",
          lambda r: "drop --packing, or pass --task causal-lm"),
+    Rule(lambda r: r.task == "sft" and r.packing == "concat",
+         lambda r: "--packing concat with --task sft: conversations would be joined, cut mid-answer, and attend to "
+                   "each other",
+         lambda r: "drop --packing (per_document: whole conversations packed, each attending to itself) or pass "
+                   "--packing none"),
     Rule(lambda r: r.sharding in ("zero1", "zero2") and r.offload == "nvme",
          # DeepSpeed 0.19's stage 1/2 optimizer treats any offload device as CPU memory: nothing would reach NVMe.
          lambda r: f"optimizer offload to nvme under ZeRO stage {r.sharding[-1]}: stages 1 and 2 keep offloaded "

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import data, datareport, losses, models, rules
+from .args import DECODER_TASKS
 from .boundary import loading
 from .errors import InputError
 from .fsdp_launch import wrap_blocks
@@ -62,6 +63,7 @@ class Task:
     columns: dict[str, str] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     report: dict = field(default_factory=dict)
+    output_dir: str = ""  # the run's (load_task sets it): where a task writes what it makes beside results.json
 
     def refuse_hooks(self, hooks: tuple[str, ...], why: str) -> None:
         """A recipe that computes its loss or metrics its own way refuses the user's hooks it cannot honour."""
@@ -129,7 +131,7 @@ class Task:
                 value, count = accelerator.gather((value, count.reshape(1).to(value.device)))
                 sums.append(value.sum().item())
                 counts.append(count.sum().item())
-            elif self.name == "causal-lm":
+            elif self.name in DECODER_TASKS:
                 logits, labels = logits[:, :-1], labels[:, 1:]
                 per_token = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
                 value, count = per_token.sum(dim=1), (labels != -100).sum(dim=1)
@@ -137,13 +139,13 @@ class Task:
                 value, count = accelerator.gather_for_metrics((value, count))
                 sums.append(value.sum().item())
                 counts.append(count.sum().item())
-            if self.name != "causal-lm":
+            if self.name not in DECODER_TASKS:
                 predicted, labels = accelerator.gather_for_metrics((logits.argmax(-1), labels))
                 predictions.append(predicted.cpu())
                 targets.append(labels.cpu())
         model.train(was_training)
         mean = sum(sums) / max(1, sum(counts))
-        if self.name == "causal-lm":
+        if self.name in DECODER_TASKS:
             return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50.0))}
         out = {"eval_loss": mean} if self.loss_fn is not None else {}
         predicted, labels = torch.cat(predictions), torch.cat(targets)
@@ -179,14 +181,17 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
         raise InputError(f"--text_pair_column serves --task text-classification (sentence pairs), not {args.task}. "
                          "Drop it, or pass --task text-classification.")
     with accelerator.main_process_first():  # the first process fills the datasets cache, the others reuse it
-        train_raw, val_raw, source = data.load_raw_splits(args)
+        # A task module may bring its own built-in data (sft.py's): else data.py's, files or the hub
+        train_raw, val_raw, source = getattr(module, "load_raw_splits", data.load_raw_splits)(args)
     if missing := [c for c in keep_columns if c not in data.column_names(train_raw)]:
         raise InputError(f"keep_columns: the training data has no column {missing} ({data.column_names(train_raw)}).")
-    if keep_columns and (args.task == "image-classification" or args.task == "causal-lm" and args.packing != "none"):
+    if keep_columns and (args.task in ("image-classification", "sft") or args.task == "causal-lm"
+                         and args.packing != "none"):
         raise InputError("keep_columns serves text-classification, and causal-lm with --packing none (a packed block "
                          f"holds parts of many rows), not --task {args.task} --packing {args.packing}.")
     task = module.build(args, accelerator, train_raw, val_raw, source, batches, tuple(keep_columns))
     wrap_blocks(accelerator, task.model, models.transformer_layers)  # under FSDP: one unit per block
+    task.output_dir = launch.output_dir
     n_train = len(task.train_dataloader.dataset)
     packed = task.packing != "none"
     if n_train == 0:

@@ -115,7 +115,7 @@ def _head_as_identity(head: nn.Module) -> Iterator[list[torch.Tensor]]:
 def final_hidden_states(model: nn.Module, head: nn.Module, batch: dict) -> tuple[torch.Tensor, object]:
     """The hidden states the model's head turns into logits (after the final norm), from the model's own forward;
     and that forward's output (a mixture of experts' aux_loss is on it)."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "use_cache")}
     with _head_as_identity(head) as seen:
         out = model(**inputs, use_cache=False)  # no KV cache in training (as Task.loss)
     hidden = out.logits
@@ -160,7 +160,8 @@ class ChunkedLoss:
                                    "its own cross-entropy, chunk by chunk. Write your loss over chunks, or use "
                                    "recipes/baseline.py")
         head = output_head(model)
-        hidden, out = final_hidden_states(model, head, batch)
+        # The task's own inputs: per-document packing's block-diagonal mask (shared/tasks/packing.py)
+        hidden, out = final_hidden_states(model, head, self.task._inputs(batch) if self.task is not None else batch)
         loss = chunked_cross_entropy(hidden, batch["labels"], head, self.num_chunks) / num_items
         if getattr(out, "aux_loss", None) is None:
             return loss
@@ -189,7 +190,7 @@ class ChunkedLoss:
         was_training = model.training
         model.eval()  # no dropout: the measurement draws nothing from the RNG the training steps' dropout uses
         with torch.no_grad():
-            hidden, _ = final_hidden_states(model, head, batch)
+            hidden, _ = final_hidden_states(model, head, self.task._inputs(batch) if self.task is not None else batch)
         model.train(was_training)
         local = _whole_copy(head)
         hidden, labels = hidden.detach().requires_grad_(), batch["labels"]
@@ -209,10 +210,10 @@ class ChunkedLoss:
 
 # The refusals of this technique, in the rule table (shared/core/rules.py) once this module is imported.
 RULES = (
-    Rule(lambda r: r.chunked_loss and r.task not in ("", "causal-lm"),
+    Rule(lambda r: r.chunked_loss and r.task not in ("", "causal-lm", "sft"),
          lambda r: f"{r.flag('chunked_loss')} chunks a causal LM's vocabulary logits, and --task {r.task} has no "
                    "vocabulary head",
-         lambda r: f"pass --task causal-lm, or use recipes/baseline.py for {r.task}"),
+         lambda r: f"pass --task causal-lm or sft, or use recipes/baseline.py for {r.task}"),
     Rule(lambda r: r.head_kind == "None",
          lambda r: f"the {r.model_type} model has no output embeddings (get_output_embeddings() is None): "
                    "there are no vocabulary logits to chunk",

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import rules
+from ..core.args import DECODER_TASKS
 from ..core.checkpoint import STAGE_FILES
-from ..core.errors import LaunchError
+from ..core.errors import InputError, LaunchError
 from ..core.losses import summed_loss as summed_loss  # the last stage's loss_fn: the spine's own
 from ..core.models import SLIDING, attention_features, layer_attention_types, transformer_layers
 from ..core.rules import Rule
@@ -28,6 +29,9 @@ def stage_loss(task) -> Callable:
     """The last stage's summed loss of (logits, labels): the user's Task.loss_fn, or the task's cross-entropy."""
     task.refuse_hooks(("keep_columns", "compute_metrics"), "the pipeline's last stage sees the logits and labels "
                       "alone, and scores accuracy there. Drop them, or use recipes/baseline.py")
+    if getattr(task, "generate", 0):  # sft's answers need the whole model, which no stage holds
+        raise InputError("--generate: the pipeline's stages each hold part of the model, and greedy answers need "
+                         "the whole of it. Drop --generate, and generate from the saved model (from_pretrained).")
     if task.loss_fn is None:
         return summed_loss(task.name)
     return lambda logits, labels: task.loss_fn(logits, labels, {})
@@ -378,7 +382,7 @@ def evaluate(task, schedule, stage: Stage | Stages, eval_dataloader, item_count:
         if stage.is_last:
             losses: list[torch.Tensor] = []
             logits = run(*inputs, **mask, target=batch["labels"], losses=losses)
-            if task.name == "causal-lm" or task.loss_fn is not None:  # the user's loss: its mean, eval_loss
+            if task.name in DECODER_TASKS or task.loss_fn is not None:  # the user's loss: its mean, eval_loss
                 score, count = torch.stack(losses).sum().item(), task.count_items(batch).item()
             else:
                 score, count = (logits.argmax(-1) == batch["labels"]).sum().item(), batch["labels"].numel()
@@ -391,7 +395,7 @@ def evaluate(task, schedule, stage: Stage | Stages, eval_dataloader, item_count:
     dist.broadcast(total, src=last_rank, group=pp_group)
     stage.train()
     mean = (total[0] / total[1].clamp(min=1)).item()
-    if task.name == "causal-lm":
+    if task.name in DECODER_TASKS:
         return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50.0))}
     return {"eval_loss" if task.loss_fn is not None else "eval_accuracy": mean}
 

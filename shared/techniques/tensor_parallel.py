@@ -330,7 +330,7 @@ RULES = (
          lambda r: f"pass a divisor of {r.num_processes} that is at least 2 (e.g. {r.flag('tensor_parallel_size')} "
                    "2 with accelerate_configs/tp2_dp2.yaml), leave it unset for one group of all processes, or use "
                    "recipes/fsdp.py for data parallel alone"),
-    Rule(lambda r: r.shard_vocab and r.task not in ("", "causal-lm"),
+    Rule(lambda r: r.shard_vocab and r.task not in ("", "causal-lm", "sft"),
          lambda r: f"{r.flag('shard_vocab')} with --task {r.task}: only the causal LM has a vocabulary-sized head; "
                    "BERT's and ViT's heads are classifiers of num_labels outputs, too small to split",
          lambda r: f"drop {r.flag('shard_vocab')}, or use --task causal-lm"),

@@ -169,8 +169,10 @@ def loss(model: nn.Module, chunk: dict, num_items: torch.Tensor | float, task: o
 RULES = (
     # Sequence parallel (recipes/sequence_parallel.py): each process runs its chunk of every causal-LM sequence.
     Rule(lambda r: RECIPES[r.recipe].splits_sequence and r.task not in ("", "causal-lm"),
-         lambda r: f"--task {r.task}: recipes/{r.recipe}.py splits causal-LM sequences (its attention is causal "
-                   "over the gathered sequence, its loss next-token)",
+         lambda r: f"--task {r.task}: recipes/{r.recipe}.py splits concatenated causal-LM blocks (its attention is "
+                   "causal over the gathered sequence, its loss next-token)" + (
+                       "; sft's whole conversations need a per-document mask (packed) or padding (one per row), "
+                       "which its chunks do not exchange" if r.task == "sft" else ""),
          lambda r: "pass --task causal-lm, or use recipes/data_parallel.py for this task"),
     Rule(lambda r: RECIPES[r.recipe].splits_sequence and r.seq_len and r.seq_len % r.num_processes,
          lambda r: f"--max_seq_length {r.seq_len} does not split into {r.num_processes} equal chunks (one per "

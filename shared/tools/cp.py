@@ -45,7 +45,7 @@ NEW_PATH_COMMENT = f"  # {VENDORED}/ beside this file, from any directory"
 # Launch configs named in a recipe's docstring (examples like `accelerate_configs/zero*.yaml` do not match).
 CONFIG_RE = re.compile(r"accelerate_configs/[\w.\-]+\.(?:ya?ml|json)\b")
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
-TASKS = ("text-classification", "causal-lm", "image-classification")  # shared/tasks/, one module each
+TASKS = ("text-classification", "causal-lm", "image-classification", "sft")  # shared/tasks/, one module each
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -599,7 +599,7 @@ from any other directory.
 
 The model, the data, the loss and the metrics you change first are in the task module it carries:
 {", ".join(f"`{VENDORED}/tasks/{t.replace('-', '_')}.py` (--task {t})" for t in c.tasks)}. Another task: copy again
-with `{COMMAND} {c.recipe} DEST --task NAME` (text-classification, causal-lm, image-classification).
+with `{COMMAND} {c.recipe} DEST --task NAME` (text-classification, causal-lm, image-classification, sft).
 
 | file | from |
 |---|---|
