@@ -60,8 +60,10 @@ def launch_env(config: str, launch_args: Sequence[str] = ()) -> dict[str, str]:
         env = prepare_multi_gpu_env(args)
     else:
         env = prepare_simple_launcher_cmd_env(args)[1]
-    # torchrun gives each process its world size.
-    return {**env, "WORLD_SIZE": str(args.num_processes if args.num_processes > 1 else 1)}
+    if args.num_processes <= 1:
+        return {**env, "WORLD_SIZE": "1"}
+    # torchrun gives each process its world size, and marks it as its own (TORCHELASTIC_RUN_ID).
+    return {**env, "WORLD_SIZE": str(args.num_processes), "TORCHELASTIC_RUN_ID": "launch-grid"}
 
 
 def verdict(recipe: str, config: str, tmp: Path, launch_args: Sequence[str] = (), args: Sequence[str] = ()
