@@ -1,5 +1,5 @@
-"""The planner against published figures no one here wrote (tests/published_figures.py): DeepSpeed's own estimators
-(called here), the activation-recomputation paper's formulas, Accelerate's estimate-memory arithmetic (called here),
+"""The planner against published figures no one here wrote (shared/tools/published_figures.py): DeepSpeed's own
+estimators (called here), the activation-recomputation paper's formulas, Accelerate's estimate-memory arithmetic (called here),
 torchtune's Llama 3.2 3B table and torchtitan's Llama 3.1 8B FSDP tables. Each lands within 10% of the published
 figure once the differences its row states are taken out, or is an open gap held to its recorded ratio."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.published_figures import FIGURES, TOLERANCE
+from shared.tools.published_figures import FIGURES, TOLERANCE
 
 
 @pytest.mark.parametrize("fig", FIGURES, ids=[f"{f.group}:{f.name}" for f in FIGURES])
@@ -39,7 +39,7 @@ def test_the_table_covers_what_the_issue_names():
 
 def test_zero2_offload_counts_no_device_gradients():
     """The issue's finding 1, on DeepSpeed's own words: ZeRO-2 with optimizer offload puts 2 B/param on the device."""
-    from tests.published_figures import LLAMA8, ds_predict, spec
+    from shared.tools.published_figures import LLAMA8, ds_predict, spec
 
     p = ds_predict("zero2_offload", 8)
     assert p.weights == 2 * spec(LLAMA8).num_params

@@ -25,6 +25,23 @@ from shared.core.rules import RECIPES, RULES, SHARDINGS, Run  # noqa: E402
 
 # (file, function, the message's first words) -> why it is a bad input and not a combination refusal.
 BAD_INPUTS = {
+    # A DeepSpeed JSON's or launch config's settings the loop cannot run as written (tests/test_field_configs.py)
+    ("shared/techniques/deepspeed_setup.py", "_check_global_batch", "train_batch_size "): "a JSON's global batch "
+                                                                                          "no micro-batch can keep",
+    ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", '"'): "an amp / torch_autocast "
+                                                                                       "block in the JSON",
+    ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", "fp16 ("): "fp16 under DeepSpeed "
+                                                                                            "on CPU",
+    ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", "optimizer "): "a 1-bit optimizer",
+    ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", "sequence_parallel_size in "):
+        "the JSON's sequence parallelism",
+    ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", "tensor_parallel.autotp_size "):
+        "DeepSpeed's AutoTP",
+    ("shared/techniques/deepspeed_setup.py", "launched_deepspeed_config", "The DeepSpeed JSON has "):
+        "a JSON optimizer or scheduler for a recipe that builds its own",
+    ("shared/techniques/fp8.py", "check_fp8_launch_config", " in the launch config's fp8_config: Tran"):
+        "another FP8 backend's settings",
+    ("shared/techniques/fp8.py", "check_fp8_launch_config", "fp8_config backend: "): "an FP8 backend not run here",
     ("recipes/data_parallel.py", "main", "--compare_to "): "a --compare_to file that does not exist, or is the "
                                                            "results.json of a run with another process count",
     ("recipes/pruning.py", "main", "Need --pruning_start_step"): "a pruning schedule whose steps are "

@@ -1,5 +1,5 @@
 """docs/planner.md, generated: the prose below, the planner's flags from its own parser, and the published-figures
-table from tests/published_figures.py with every ratio beside its source.
+table from shared/tools/published_figures.py with every ratio beside its source.
 
     python -m shared.tools.planner_doc --write     # rewrite docs/planner.md
     python -m shared.tools.planner_doc --check     # exit 1 when docs/planner.md is not what this writes
@@ -83,7 +83,7 @@ optimizer state, activations and buffers, which add up to the peak; with 16-bit 
 
 FIGURES_INTRO = """## Against published figures
 
-tests/published_figures.py holds figures no one here wrote, each with its source and setting;
+shared/tools/published_figures.py holds figures no one here wrote, each with its source and setting;
 tests/test_published_figures.py computes the planner's figure for the same setting on every run (DeepSpeed's and
 Accelerate's estimators are called, not copied). *ratio* is planner / published. Where the two count different
 things, each difference is stated with its bytes (+: the planner counts it, the source does not); *after* is the
@@ -139,7 +139,7 @@ priors.
 
 One line in `TECHNIQUES` (shared/tools/plan.py) in the words of shared/core/rules.py's `Run`; a launch config
 recipes/combined.py runs is one entry in `LAUNCHES`, and the combinations follow. A published figure is one
-`Figure` in tests/published_figures.py: its source, setting, the planner's figure and the stated differences.
+`Figure` in shared/tools/published_figures.py: its source, setting, the planner's figure and the stated differences.
 """
 
 
@@ -165,7 +165,7 @@ def _num(value: float, unit: str, scale: float) -> str:
 
 def figures_table() -> str:
     sys.path.insert(0, str(ROOT))
-    from tests.published_figures import FIGURES
+    from shared.tools.published_figures import FIGURES
 
     rows = ["| figure | setting | published | planner | ratio | after | source; differences stated |",
             "|---|---|---:|---:|---:|---:|---|"]
