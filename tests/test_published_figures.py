@@ -1,7 +1,7 @@
 """The planner against published figures no one here wrote (shared/tools/published_figures.py): DeepSpeed's own
 estimators (called here), the activation-recomputation paper's formulas, Accelerate's estimate-memory arithmetic
-(called here),torchtune's Llama 3.2 3B table and torchtitan's Llama 3.1 8B FSDP tables. Each lands within 10% of the published
-figure once the differences its row states are taken out, or is an open gap held to its recorded ratio."""
+(called here), torchtune's Llama 3.2 3B table and torchtitan's Llama 3.1 8B FSDP tables. Each lands within 10% of
+the published figure once the differences its row states are taken out, or is an open gap held to its recorded ratio."""
 
 from __future__ import annotations
 
