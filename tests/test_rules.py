@@ -198,6 +198,9 @@ _FACTS = [
     {"model_type": "gpt2", "ep_dispatch": False}, {"experts": 4, "ep_degree": 3},
     {"recipe": "qat", "model_type": "mixtral", "linear_only": "fake-quantizes", "outside_linear": "mlp.experts"},
     {"no_router_loss": "MixtralForSequenceClassification", "task": "text-classification"},
+    {"stage_drops": ("attention soft-capping",)}, {"sp_drops": ("chunked_attention layers",)},  # attention variants
+    {"tp_unsplit_sinks": True, "model_type": "gpt_oss"},
+    {"tp_tie_mismatch": "lm_head.weight is tied to model.embed_tokens.weight (Shard(0) and Shard(1))"},
 ]
 
 

@@ -80,13 +80,14 @@ def test_sharded_recipes_keep_the_tie_through_saving_and_resuming(recipe, config
     r = launch(recipe, tmp_path / "run", *args, "--per_device_train_batch_size", per_process, config=config)
     assert r["num_processes"] == 2
     assert r["initial_loss"] == pytest.approx(ref["initial_loss"], abs=1e-5)
-    # ZeRO: DeepSpeed's own AdamW step on its fp32 partitions (parameters 1.1e-5 apart after 4 steps, tied
-    # Qwen2-style), which moves the evaluation loss by 9.5e-5
-    assert r["eval_loss"] == pytest.approx(ref["eval_loss"], abs=2e-4 if recipe == "zero" else 1e-5)
+    # ZeRO: DeepSpeed's own AdamW step on its fp32 partitions (parameters 1.1e-5 and 2.0e-5 apart after 4 steps,
+    # tied Qwen2- and Llama-style), which moves the evaluation loss by up to 9.5e-5
+    zero = recipe == "zero"
+    assert r["eval_loss"] == pytest.approx(ref["eval_loss"], abs=2e-4 if zero else 1e-5)
     (one, _), (run, tied) = reload(tmp_path / "one"), reload(tmp_path / "run")
     diff = max_diff(one, run)
     print(f"{recipe} [{config}] on tied {kind}: max |param diff| vs 1 process {diff:.1e}, reloaded tied: {tied}")
-    assert tied and diff <= PARAM_TOL
+    assert tied and diff <= (1e-4 if zero else PARAM_TOL)
     if (recipe, kind) in DEFAULT:
         return
     step = "step_00000002"
