@@ -95,7 +95,7 @@ def verdict(recipe: str, config: str, tmp: Path, launch_args: Sequence[str] = ()
 
 # The cells a test launches as a user runs them: `accelerate launch` with that config, the model saved and loaded
 # back (test file::function, decorators included: test_cells_marked_working_are_run_by_their_test reads it). Only
-# these and LAUNCHED (below) are ✓ in docs/results/launch_grid.md; a pair that passes every start-up check but that no
+# these are ✓ in docs/results/launch_grid.md; a pair that passes every start-up check but that no
 # test runs to the end is "c": it was not seen to train, save and reload.
 _TIED = "test_tied_embeddings.py::test_sharded_recipes_keep_the_tie_through_saving_and_resuming"
 RUN_BY_TESTS: dict[tuple[str, str], str] = {

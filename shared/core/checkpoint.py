@@ -569,8 +569,8 @@ def _start_branch(accelerator, launch: Launch, path: Path | None, state: dict, c
     branches = _branches(root)
     newest = branches[-1]["branch"]
     ours = sorted(root.glob("step_*"))
-    if path is None and not ours and not (root / LINEAGE).exists():
-        _lineage.update(branch=0, parent=None, from_step=None, **{"from": None})
+    if path is None and not (launch.args.checkpointing_steps and (ours or (root / LINEAGE).exists())):
+        _lineage.update(branch=0, parent=None, from_step=None, **{"from": None})  # nothing to branch from, or to
         return
     if path is not None:
         branch, step = state.get("branch", 0), state["step"]
