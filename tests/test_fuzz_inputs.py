@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import _reset_accelerate, load_recipe
 
-FUZZ_EXAMPLES, FUZZ_EXAMPLES_SLOW = 14, int(os.environ.get("FUZZ_EXAMPLES_SLOW", "120"))
+FUZZ_EXAMPLES, FUZZ_EXAMPLES_SLOW = 20, int(os.environ.get("FUZZ_EXAMPLES_SLOW", "120"))
 RUN = ["--max_train_steps", "2", "--no_save_model", "--report_to", "none", "--max_eval_samples", "8",
        "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8"]
 N_ROWS = 40
