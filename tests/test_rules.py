@@ -25,6 +25,8 @@ from shared.core.rules import RECIPES, RULES, SHARDINGS, Run  # noqa: E402
 
 # (file, function, the message's first words) -> why it is a bad input and not a combination refusal.
 BAD_INPUTS = {
+    ("shared/techniques/quant.py", "check_lora_targets", "--lora_target_modules: "): "LoRA target names that match "
+                                                                                   "no layer of the built model",
     ("recipes/data_parallel.py", "main", "--compare_to "): "a --compare_to file that does not exist, or is the "
                                                            "results.json of a run with another process count",
     ("recipes/pruning.py", "main", "Need --pruning_start_step"): "a pruning schedule whose steps are "
