@@ -42,6 +42,8 @@ BAD_INPUTS = {
     ("shared/techniques/fp8.py", "check_fp8_launch_config", " in the launch config's fp8_config: Tran"):
         "another FP8 backend's settings",
     ("shared/techniques/fp8.py", "check_fp8_launch_config", "fp8_config backend: "): "an FP8 backend not run here",
+    ("shared/techniques/quant.py", "check_lora_targets", "--lora_target_modules: "): "LoRA target names that match "
+                                                                                   "no layer of the built model",
     ("recipes/data_parallel.py", "main", "--compare_to "): "a --compare_to file that does not exist, or is the "
                                                            "results.json of a run with another process count",
     ("recipes/pruning.py", "main", "Need --pruning_start_step"): "a pruning schedule whose steps are "

@@ -155,7 +155,8 @@ def check_spellings(values: list, column: str) -> None:
         except ValueError:
             norm = text
         groups.setdefault(norm, {})[_key(v)] = v  # 1, 1.0 and True are one class already (_key)
-    split = [sorted(map(repr, g.values())) for g in groups.values() if len(g) > 1]
+    # 0 beside "0" (a type, not a spelling) is label_set's to explain, split by split
+    split = [sorted(map(repr, g.values())) for g in groups.values() if len({str(v) for v in g.values()}) > 1]
     if split:
         shown = "; ".join(" / ".join(g) for g in split[:_SHOWN])
         raise InputError(f"The label column {column!r} spells one class several ways ({shown}): each spelling would "

@@ -347,10 +347,12 @@ def start_run(accelerator: Accelerator, launch: Launch) -> None:
 
 
 # Variables only a launcher sets: torchrun (and `accelerate launch` of several processes), `accelerate launch` of one
-# (ACCELERATE_DYNAMO_MODE) or of DeepSpeed (ACCELERATE_CONFIG_DS_FIELDS), schedulers' own launchers, and our own
-# lone-process DeepSpeed set-up (configure_process). Without one of them, launch variables are leftovers of a shell.
-_LAUNCHER_MARKS = ("TORCHELASTIC_RUN_ID", "ACCELERATE_DYNAMO_MODE", "ACCELERATE_CONFIG_DS_FIELDS", "SLURM_PROCID",
-                   "OMPI_COMM_WORLD_RANK", "PMI_RANK", "RECIPES_OWN_RENDEZVOUS")
+# (ACCELERATE_DYNAMO_MODE) or of DeepSpeed (its zero stage beside ACCELERATE_CONFIG_DS_FIELDS, which
+# deepspeed_setup removes), schedulers' own launchers, and our own lone-process DeepSpeed set-up (configure_process).
+# Without one of them, launch variables are leftovers of a shell.
+_LAUNCHER_MARKS = ("TORCHELASTIC_RUN_ID", "ACCELERATE_DYNAMO_MODE", "ACCELERATE_CONFIG_DS_FIELDS",
+                   "ACCELERATE_DEEPSPEED_ZERO_STAGE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+                   "RECIPES_OWN_RENDEZVOUS")
 _RENDEZVOUS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
