@@ -158,7 +158,8 @@ _ASKS = [
     {"checkpoint_impl": "hf", "checkpoint_every": 2}, {"checkpoint_impl": "hf", "checkpoint_policy": "selective"},
     {"shard_vocab": True, "task": "image-classification"}, {"chunked_loss": True, "task": "text-classification"},
     {"model_given": False}, {"preset": "tiny-llama", "task": "image-classification"},
-    {"preset": "tiny-moe", "task": "text-classification"}, {"lone_launch": True},
+    {"preset": "tiny-moe", "task": "text-classification"}, {"preset": "tiny-moe", "packing": "per_document"},
+    {"lone_launch": True},
     {"attention": "flash_attention_2", "on_accelerator": False}, {"async_checkpoint": True},
     {"dp_replicate_size": 3}, {"dp_replicate_size": 4}, {"parallelism_config": "tp=2"},  # HSDP; Accelerate's TP
     {"comm_hook": "fp16", "local_sgd_steps": 4}, {"comm_hook": "bf16", "on_accelerator": False},
