@@ -138,9 +138,22 @@ def save_model(accelerator, model: torch.nn.Module, task, output_dir: str) -> No
     for target in getattr(unwrapped, "all_tied_weights_keys", None) or {}:  # {target: source}, ties in effect
         if state_dict is not None:
             state_dict.pop(target, None)
+    if state_dict is not None:
+        state_dict = {name: _plain(t) for name, t in state_dict.items()}
     unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict,
                               save_function=accelerator.save, safe_serialization=True)
     if accelerator.is_main_process:
         task.save_preprocessing(output_dir)
         logger.info("saved model to %s", output_dir)
     accelerator.wait_for_everyone()
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The weight inside a wrapper subclass that holds one (torchao's float8 weight, WeightWithDynamicFloat8CastTensor):
+    its own storage is invalid, and save_pretrained, reading storage pointers to find ties, failed on it."""
+    from torch.distributed.tensor import DTensor
+
+    if type(tensor) is torch.Tensor or isinstance(tensor, DTensor) or not hasattr(tensor, "__tensor_flatten__"):
+        return tensor
+    inner, _ = tensor.__tensor_flatten__()
+    return getattr(tensor, inner[0]) if len(inner) == 1 else tensor

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from . import data, losses, models
 from .args import DECODER_TASKS
 from .errors import InputError
+from .fsdp_launch import wrap_blocks
 
 if TYPE_CHECKING:
     from .launch import Launch
@@ -181,6 +182,7 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
                          f"holds parts of many rows), not --task {args.task} --packing {args.packing}.")
     task = module.build(args, accelerator, train_raw, val_raw, source, batches, tuple(keep_columns))
     task.output_dir = launch.output_dir
+    wrap_blocks(accelerator, task.model, models.transformer_layers)  # under FSDP: one unit per block
     n_train = len(task.train_dataloader.dataset)
     packed = task.packing != "none"
     if n_train == 0:
