@@ -345,6 +345,11 @@ _PRESETS = [
                    "returns no router aux_loss, so the router's load-balancing loss would silently not train",
          lambda r: "use --task causal-lm for the mixture of experts, or a dense model (--model_preset tiny-llama) to "
                    "classify text", built=True),
+    Rule(lambda r: r.preset in ("tiny-moe", "tiny-qwen3-moe") and r.packing == "per_document",
+         lambda r: f"--model_preset {r.preset} with --packing per_document: Transformers' MoE load-balancing loss "
+                   "reads the attention mask as a 2-D padding mask, and per-document packing passes a 4-D block mask "
+                   "(it fails: 'The size of tensor a (256) must match the size of tensor b (16384)')",
+         lambda r: "pass --packing none" + (" (or concat)" if r.task == "causal-lm" else "")),
 ]
 RULES += _PRESETS
 
