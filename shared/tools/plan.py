@@ -1275,8 +1275,6 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
                            kernels=args.kernels, lora_r=args.lora_r, gpus_per_node=per_node)
             if tech.recipe == "activation_checkpointing":
                 _least_recompute_that_fits(spec, pred, usable, args)
-            if spec.weight_bytes == 2:  # planned as loaded: the recipes' default upcasts to fp32 masters instead
-                pred.args = (*pred.args, "--weights_dtype", "auto")
             why = []
             if not has_recipe(tech):
                 why.append(NO_RECIPE + _no_recipe_reason(tech))
@@ -1518,8 +1516,7 @@ def _print_header(spec: ModelSpec, args: argparse.Namespace) -> None:
           + (f", {args.gpus_per_node} per node" if args.gpus_per_node != args.num_gpus else "")
           + f"; batch {args.per_device_batch_size} x {seq} tokens per device; kernels: {args.kernels}")
     if spec.weight_bytes == 2:
-        print("weights: published in 16 bits and planned as loaded (--weights_dtype auto in each command; the "
-              "recipes' default, fp32, upcasts them to fp32 master weights): DDP, tensor-parallel "
+        print("weights: published in 16 bits and loaded so (from_pretrained's dtype='auto'): DDP, tensor-parallel "
               "and FSDP-without-mixed-precision rows train them in bf16 with no fp32 master copy (AdamW's moments "
               "in bf16 too); FSDP with --mixed_precision bf16 and DeepSpeed keep fp32 masters")
     if spec.max_positions and spec.seq_tokens is None and args.seq_len > spec.max_positions:
