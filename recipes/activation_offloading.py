@@ -62,6 +62,7 @@ def main(argv=None) -> dict:
         log_with=launch.log_with,
         project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+        fsdp_plugin=launch.fsdp_plugin,  # an FSDP launch config's settings, checked (shared/core/fsdp_launch.py)
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(launch, accelerator)

@@ -29,7 +29,11 @@ from shared.core.results import finish
 from shared.core.rules import sharding_of
 from shared.core.tasks import load_task
 from shared.techniques.chunked_loss import ChunkedLoss
-from shared.techniques.deepspeed_setup import add_deepspeed_args, launched_deepspeed_config
+from shared.techniques.deepspeed_setup import (
+    add_deepspeed_args,
+    launched_deepspeed_config,
+    zero3_init,
+)
 
 RECIPE = "chunked_loss"
 
@@ -46,7 +50,7 @@ def add_args(p):
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__, task="causal-lm")
     ds_config = launched_deepspeed_config(args)  # the launch config chose DeepSpeed: its stage and offload, checked
-    plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=ds_config["zero_optimization"]["stage"] == 3
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=zero3_init(ds_config)
                              ) if ds_config else None
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE, deepspeed_config=ds_config, chunked_loss=True, task=args.task,
@@ -77,8 +81,8 @@ def main(argv=None) -> dict:
     meter = Meter(accelerator, launch, task, model, optimizer)
     guard = DivergenceGuard(accelerator, launch, optimizer, max_steps)  # ends a diverging run, its state saved
     preemption = Preemption(accelerator, launch, max_steps)  # SIGTERM/SIGINT: saved, then exits
-    chunked_loss = ChunkedLoss(args.loss_chunk_size, max_tokens=args.per_device_train_batch_size * args.max_seq_length,
-                               task=task)  # a mixture of experts: its router's loss is added
+    chunked_loss = ChunkedLoss(args.loss_chunk_size, task=task,  # a mixture of experts: its router's loss is added
+                               max_tokens=launch.per_device_train_batch_size * args.max_seq_length)
     measured, batches = chunked_loss.measure_first_batch(accelerator, model, batches)  # plain vs chunked bytes
 
     model.train()

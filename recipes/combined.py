@@ -43,6 +43,7 @@ from shared.techniques.deepspeed_setup import (
     launched_deepspeed_config,
     patch_zero_step_to_count_states,
     schedule_the_optimizer_that_steps,
+    zero3_init,
 )
 from shared.techniques.optim_8bit import check_paged  # noqa: F401  (--optim adamw_bnb_8bit's rules)
 from shared.techniques.optim_in_backward import OptimizerInBackward
@@ -96,9 +97,9 @@ def main(argv=None) -> dict:
     ds_config = launched_deepspeed_config(args)  # the launch config chose DeepSpeed: its stage and offload, checked
     plugin = None
     if ds_config:
-        stage3 = ds_config["zero_optimization"]["stage"] == 3
         # zero.Init builds a full-precision model already partitioned; a quantized one is loaded whole, then split.
-        plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=stage3 and args.load_in == "full")
+        plugin = DeepSpeedPlugin(hf_ds_config=ds_config,
+                                 zero3_init_flag=zero3_init(ds_config) and args.load_in == "full")
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(
         args, RECIPE, deepspeed_config=ds_config, load_in=args.load_in, quant_storage=args.bnb_4bit_quant_storage,
@@ -121,6 +122,7 @@ def main(argv=None) -> dict:
         log_with=launch.log_with,
         project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
+        fsdp_plugin=launch.fsdp_plugin,  # an FSDP launch config's settings, checked (shared/core/fsdp_launch.py)
         deepspeed_plugin=plugin,  # None: the launch config's sharding (DDP, FSDP) or none
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
@@ -200,7 +202,7 @@ def main(argv=None) -> dict:
         offloader = ActivationOffloader(accelerator.unwrap_model(model), args.activation_offloading).attach()
     chunked = None
     if args.chunked_loss:
-        chunked = ChunkedLoss(args.loss_chunk_size, max_tokens=args.per_device_train_batch_size * args.max_seq_length,
+        chunked = ChunkedLoss(args.loss_chunk_size, max_tokens=launch.per_device_train_batch_size * args.max_seq_length,
                               task=task)  # a mixture of experts: its router's loss is added
         measured, batches = chunked.measure_first_batch(accelerator, model, batches)  # plain vs chunked bytes
         meter.extras.update(measured, loss_chunks=chunked.num_chunks)

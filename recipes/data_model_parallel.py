@@ -161,7 +161,7 @@ def main(argv=None) -> dict:
     spread = (flat - mean / replicas).abs().max()
     dist.all_reduce(spread, op=dist.ReduceOp.MAX)
     extras = {"data_parallel_replicas": replicas, "pipeline_stages": stages, "schedule": args.schedule,
-              "mesh": mesh.mesh.tolist(), "global_batch_size": args.per_device_train_batch_size * replicas,
+              "mesh": mesh.mesh.tolist(), "global_batch_size": launch.per_device_train_batch_size * replicas,
               "stage_index": gather_object([pp_rank]), "stage_layers": gather_object([[layers.start, layers.stop]]),
               "stage_param_count": gather_object([sum(p.numel() for p in stage.parameters())]),
               "max_param_diff_between_replicas": spread.item()}

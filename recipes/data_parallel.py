@@ -125,8 +125,8 @@ def main(argv=None) -> dict:
     # Throughput of each process on its own slice, and of all of them together against one process.
     per_process = gather_object([meter.samples / meter.elapsed if meter.elapsed else None])
     extras = {"ddp_wrapped": type(model).__name__ == "DistributedDataParallel",
-              "global_batch_size": args.per_device_train_batch_size * accelerator.num_processes
-              * args.gradient_accumulation_steps,
+              "global_batch_size": launch.per_device_train_batch_size * accelerator.num_processes
+              * launch.gradient_accumulation_steps,
               "per_process_samples_per_second": per_process, **sent.summary(model, accelerator.num_processes)}
     if reference is not None:
         speedup = meter.summary()["train_samples_per_second"] / reference["train_samples_per_second"]

@@ -111,7 +111,7 @@ def main(argv=None) -> dict:
 
     extras = {"expert_parallel_size": world, "data_parallel_size": world, "ep_plan": model.config.base_model_ep_plan,
               "experts_per_process": ep.num_experts(model.config) // world,
-              "global_batch_size": args.per_device_train_batch_size * world, **load.report(world),
+              "global_batch_size": launch.per_device_train_batch_size * world, **load.report(world),
               "local_param_counts": gather_object([held])}  # per process: its shards
     with accelerator.autocast():  # the model is not Accelerate's: its evaluation autocasts here
         return finish(accelerator, launch, task, model, eval_dl, meter, extras, save=ep.save_consolidated)

@@ -30,7 +30,7 @@ from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.tasks import load_task
-from shared.techniques.fp8 import check_fp8_resolved, fp8_summary
+from shared.techniques.fp8 import check_fp8_launch_config, check_fp8_resolved, fp8_summary
 
 RECIPE = "fp8"
 
@@ -44,6 +44,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     # The precision is this recipe's own: fp8 (args.py's --mixed_precision offers no fp8; other values refused).
+    check_fp8_launch_config()  # a launch config's fp8_config: torchao's backend (AO), or refused before anything loads
     launch = resolve_launch(args, RECIPE, default_mixed_precision="fp8")
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables

@@ -7,7 +7,7 @@ consolidated safetensors model at the end.
     accelerate launch --config_file accelerate_configs/fsdp_offload.yaml recipes/fsdp.py --task causal-lm
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/fsdp.py --checkpointing_steps 50
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/fsdp.py --resume_from_checkpoint latest
-On a CPU-only machine the same configs run over gloo (shared/core/fsdp_cpu.py makes Accelerate really shard there).
+On a CPU-only machine the same configs run over gloo (shared/core/fsdp_launch.py makes Accelerate really shard there).
 HSDP, --dp_replicate_size R or --dp_shard_size S (R = nodes, S = GPUs per node): Accelerate's ParallelismConfig
 mesh, each block sharded inside a group of S processes and replicated over the R groups (docs/hsdp.md):
     accelerate launch --config_file accelerate_configs/hsdp.yaml recipes/fsdp.py --dp_replicate_size 2   # 2 x 2
@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside
 from shared.core.args import COUNT, parse_args
 from shared.core.checkpoint import Preemption, maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
+from shared.core.fsdp_launch import fsdp_plugin_kwargs, launch_fsdp_settings
 from shared.core.guard import DivergenceGuard
 from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
-from shared.core.models import transformer_layers
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
@@ -51,13 +51,15 @@ def add_args(p):
 @entrypoint  # under `accelerate launch`, a refusal is shown once, as the launcher's reason
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
-    fsdp_plugin = FullyShardedDataParallelPlugin(
+    # The recipe's settings; each fsdp_* setting of the launch config replaces its own, or is refused (fsdp_launch.py).
+    fsdp_plugin = FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs(
+        args,
         fsdp_version=2,
         reshard_after_forward=True,                 # full shard: parameters are freed again after each block's use
         auto_wrap_policy="transformer_based_wrap",  # one FSDP unit (one all-gather) per transformer block
         state_dict_type="SHARDED_STATE_DICT",       # checkpoints: each process writes and reads only its shard
         cpu_offload=args.cpu_offload,               # None: fsdp_offload_params from the accelerate config
-    )
+    ))
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE, fsdp_plugin=fsdp_plugin, dp_replicate_size=args.dp_replicate_size or 0,
                             dp_shard_size=args.dp_shard_size or 0)
@@ -77,8 +79,6 @@ def main(argv=None) -> dict:
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(launch, accelerator)
-    # Wrap the model's own block class, found on the model (hub models without _no_split_modules work too).
-    fsdp_plugin.transformer_cls_names_to_wrap = [type(transformer_layers(task.model)[0]).__name__]
     max_steps = total_steps(launch, accelerator, task.train_dataloader)
     optimizer, scheduler = optimizer_and_scheduler(launch, task.model, max_steps)
 
@@ -118,6 +118,8 @@ def main(argv=None) -> dict:
         "cpu_offload": isinstance(fsdp_plugin.cpu_offload, CPUOffloadPolicy),
         "fsdp_units": sum(isinstance(m, FSDPModule) for m in model.modules()),
         "wrapped_block_class": fsdp_plugin.transformer_cls_names_to_wrap[0],
+        "state_dict_type": fsdp_plugin.state_dict_type.name,
+        "fsdp_settings_from": {k: source for k, (_, source) in launch_fsdp_settings().items()},  # else the recipe's
         **hsdp_report(accelerator, model, optimizer),  # HSDP: the mesh, and each process's shard digest
     }
     # finish() gathers the shards into one consolidated safetensors model (a collective on every process).

@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
     )
     start_step, consumed = resume(accelerator, launch, max_steps)
-    k = args.gradient_accumulation_steps
+    k = launch.gradient_accumulation_steps  # resolved: the flag, the launch config or the DeepSpeed JSON
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, launch, task, model, optimizer, max_steps)  # --preflight: print the run, stop
     meter = Meter(accelerator, launch, task, model, optimizer)

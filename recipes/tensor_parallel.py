@@ -147,7 +147,7 @@ def main(argv=None) -> dict:
         maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1, max_steps=max_steps, writes=writes)
 
     extras = {"tensor_parallel_size": tp, "data_parallel_size": dp, "mesh": mesh.mesh.tolist(),
-              "global_batch_size": args.per_device_train_batch_size * dp, "tp_plan": plan,
+              "global_batch_size": launch.per_device_train_batch_size * dp, "tp_plan": plan,
               "local_param_counts": gather_object([local_param_counts(model)])}  # per process: its shards + the rest
     with accelerator.autocast():  # the model is not Accelerate's: its evaluation autocasts here
         return finish(accelerator, launch, task, model, eval_dl, meter, extras,

@@ -22,17 +22,19 @@ from shared.core.data import endless_batches
 from shared.core.guard import DivergenceGuard
 from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
-from shared.core.optim import optimizer_and_scheduler, total_steps
+from shared.core.optim import total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.tasks import load_task
 from shared.techniques.deepspeed_setup import (
     add_deepspeed_args,
     deepspeed_summary,
+    json_optimizer_and_scheduler,
     load_universal_checkpoints,
     patch_zero_step_to_count_states,
     resolve_deepspeed_config,
     schedule_the_optimizer_that_steps,
+    zero3_init,
     zero_config,
 )
 
@@ -53,7 +55,7 @@ def main(argv=None) -> dict:
     ds_config = resolve_deepspeed_config(args, zero_config(args.zero_stage))
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config,
                              # ZeRO-3: build the model under zero.Init, so no process ever holds all of it.
-                             zero3_init_flag=ds_config["zero_optimization"]["stage"] == 3)
+                             zero3_init_flag=zero3_init(ds_config))
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(args, RECIPE, deepspeed_config=ds_config)
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
@@ -74,7 +76,8 @@ def main(argv=None) -> dict:
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(launch, accelerator)  # after the Accelerator: ZeRO-3 partitions the model as it is built
     max_steps = total_steps(launch, accelerator, task.train_dataloader)
-    optimizer, scheduler = optimizer_and_scheduler(launch, task.model, max_steps)
+    # AdamW and the --lr_scheduler_type schedule; a DeepSpeed JSON's "optimizer" / "scheduler" block runs instead.
+    optimizer, scheduler = json_optimizer_and_scheduler(ds_config, launch, task.model, max_steps)
 
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         task.model, optimizer, task.train_dataloader, task.eval_dataloader, scheduler
@@ -82,7 +85,7 @@ def main(argv=None) -> dict:
     schedule_the_optimizer_that_steps(model, scheduler)  # else, after a resume with offload, the learning rate freezes
     load_universal_checkpoints(accelerator, model)  # converted by shared/tools/reshard.py: any process count
     start_step, consumed = resume(accelerator, launch, max_steps)
-    k = args.gradient_accumulation_steps
+    k = launch.gradient_accumulation_steps  # resolved: the flag, the launch config or the DeepSpeed JSON
     batches = endless_batches(accelerator, train_dl, start_batch=consumed)
     stop_if_preflight(accelerator, launch, task, model, optimizer, max_steps)  # --preflight: print the run, stop
     meter = Meter(accelerator, launch, task, model, optimizer)

@@ -50,12 +50,30 @@ def fp8_and_bf16(tmp_path_factory):
 
     torch._scaled_mm = counting
     try:
-        fp8 = run_recipe("fp8", tmp_path_factory.mktemp("fp8"), *SMALL, "--max_train_steps", STEPS)
+        out = tmp_path_factory.mktemp("fp8")
+        # The model saved, as a user's default run saves it (save_pretrained once failed on the float8 weights).
+        fp8 = run_recipe("fp8", out, *[a for a in SMALL if a != "--no_save_model"], "--max_train_steps", STEPS)
+        fp8["output_dir"] = str(out)
     finally:
         torch._scaled_mm = real
     bf16 = run_recipe("mixed_precision", tmp_path_factory.mktemp("bf16"), *SMALL, "--max_train_steps", STEPS,
                       "--mixed_precision", "bf16")
     return fp8, bf16, calls
+
+
+def test_the_model_is_saved_and_reloads(fp8_and_bf16):
+    """model.safetensors holds plain high-precision weights (not torchao's wrapper), which from_pretrained loads;
+    results.json names the backend that ran."""
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.conftest import load_params
+
+    fp8 = fp8_and_bf16[0]
+    assert fp8["fp8_backend"].startswith("AO")
+    saved = load_params(fp8["output_dir"])
+    model = AutoModelForSequenceClassification.from_pretrained(fp8["output_dir"])
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items() if k in model.state_dict())
+    assert saved["bert.encoder.layer.0.attention.self.value.weight"].dtype == torch.float32
 
 
 def test_the_inner_linears_become_float8(fp8_and_bf16):

@@ -4,6 +4,7 @@ activation bytes), and the planner's model-state bytes at every rung are within 
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,24 @@ def test_every_rung_states_within_5_percent(tmp_path):
         if "refused" not in row and "pending" not in row:
             assert "param_bytes" in row, row
             _check_states(row)
+
+
+def test_ladder_labels_and_columns_add_up(capsys):
+    """For bf16 weights (--weights_dtype bf16) the first rungs say so, not "fp32" and "fp32 master weights"; with the
+    default fp32 masters they say fp32; every row's columns add up to its peak (the buffers column)."""
+    from shared.tools import ladder
+
+    argv = ["--model_name_or_path", "meta-llama/Llama-3.1-8B", "--seq_len", "2048", "--per_device_batch_size", "1"]
+    for dtype, first in (("bf16", "bf16 weights as loaded"), ("fp32", "fp32, AdamW")):
+        ladder.main([*argv, "--weights_dtype", dtype])
+        out = capsys.readouterr().out
+        baseline = next(line for line in out.splitlines() if line.startswith("baseline "))
+        assert first in baseline and ("fp32, AdamW" not in baseline if dtype == "bf16" else True), baseline
+        assert "buffers" in out.splitlines()[1 + (dtype == "bf16")]
+        rows = 0
+        for line in out.splitlines():
+            sizes = [float(v) / (1024 if u == "MiB" else 1) for v, u in re.findall(r"([\d.]+) (GiB|MiB)", line)]
+            if len(sizes) == 6:  # weights, grads, optim, activ, buffers, peak
+                rows += 1
+                assert abs(sum(sizes[:5]) - sizes[5]) < 0.03, line
+        assert rows >= 10

@@ -734,11 +734,12 @@ def test_cli_llama_3_1_8b_on_8_80gb_gpus(capsys):
     weights): DDP keeps bf16 states, FSDP with --mixed_precision bf16 fp32 masters, tensor parallel (the model's own
     plan) splits every matrix, the embedding and the head; the rows that fit print commands of this checkout."""
     rows = plan.main(["--model_name_or_path", "meta-llama/Llama-3.1-8B", "--num_gpus", "8", "--gpu_memory", "80GB",
-                      "--seq_len", "4096", "--per_device_batch_size", "2"])
+                      "--seq_len", "4096", "--per_device_batch_size", "2", "--weights_dtype", "bf16"])
     out = capsys.readouterr().out
     print(out)
-    assert "parameters: 8.03B" in out and "8 key/value heads" in out
+    assert "parameters: 8.03B" in out and "8 key/value heads" in out and "of 80.00 GiB" in out  # 80GB: the card
     by_row = {p.row: p for p, _ in rows}
+    assert "mixed_precision:bf16" not in by_row  # bf16 weights: the baseline's bf16 row is that row, listed once
     psi = by_row["baseline:bf16"].trainable
     assert by_row["baseline:bf16"].optimizer == pytest.approx(4 * psi, rel=0.001)  # bf16 moments, as loaded
     assert by_row["fsdp:bf16"].weights == pytest.approx(4 * psi / 8)  # Accelerate upcasts FSDP2's masters
@@ -752,6 +753,93 @@ def test_cli_llama_3_1_8b_on_8_80gb_gpus(capsys):
         recipe = next(w for w in command.split() if w.endswith(".py"))
         config = command.split("--config_file ")[1].split()[0]
         assert (ROOT / recipe).exists() and (ROOT / config).exists(), command
+        assert "--weights_dtype bf16" in command, command
+
+
+def test_weights_dtype_default_is_fp32_masters(capsys):
+    """The recipes' default (issue 33): a bf16 checkpoint loaded as fp32 master weights; bf16 rows are autocast over
+    them; the printed commands carry no --weights_dtype; auto trains the checkpoint's dtype."""
+    argv = ["--model_name_or_path", "meta-llama/Llama-3.1-8B", "--num_gpus", "1", "--seq_len", "1024",
+            "--per_device_batch_size", "1", "--top", "0"]
+    rows = {p.row: p for p, _ in plan.plan(*reversed(plan.resolve(argv)))}
+    psi = rows["baseline:fp32"].trainable
+    assert rows["baseline:fp32"].optimizer == pytest.approx(8 * psi, rel=0.001)
+    assert rows["mixed_precision:bf16"].weights == 4 * psi and rows["mixed_precision:bf16"].compute_half
+    auto = {p.row: p for p, _ in plan.plan(*reversed(plan.resolve([*argv, "--weights_dtype", "auto"])))}
+    assert "baseline:fp32" not in auto and auto["baseline:bf16"].weights == 2 * psi
+    plan.main(argv[:-2])
+    out = capsys.readouterr().out
+    assert "loaded as fp32 master weights" in out and "--weights_dtype" not in out.split("Fits")[1]
+
+
+def test_gpu_memory_reads_gb_as_the_cards_gib():
+    for text in ("80GB", "80GiB", "80 gb", "80G"):
+        assert plan.parse_memory(text) == 80 * 2**30, text
+    assert plan.parse_memory("81559MiB") == 81559 * 2**20
+    assert plan.parse_bytes("1TB") == 10**12  # NVMe drives: decimal, as sold
+    args, _ = plan.resolve(["--gpu_memory", "24GB", "--host_memory", "64GB", "--nvme_memory", "2TB"])
+    assert (args.gpu_memory, args.host_memory, args.nvme_memory) == (24 * 2**30, 64 * 2**30, 2e12)
+    assert "80GB and 80GiB are both read as 80 GiB" in " ".join(plan.build_parser().format_help().split())
+
+
+def test_refused_seq_len_lists_nothing_runnable(capsys):
+    """--seq_len past GPT-2's 1,024 positions: every recipe refuses --max_seq_length 2048 at start-up, so no row fits
+    and no command is printed; the same holds for any model with fixed positions (a tiny preset: 128)."""
+    for argv in (["--model_name_or_path", "gpt2", "--seq_len", "2048", "--num_gpus", "8"],
+                 ["--task", "causal-lm", "--model_preset", "tiny", "--seq_len", "129", "--kernels", "cpu"]):
+        rows = plan.main([*argv, "--per_device_batch_size", "1"])
+        out = capsys.readouterr().out
+        assert rows and all(any("positions" in w for w in why) for _, why in rows if not why or
+                            not why[0].startswith(plan.NO_RECIPE))
+        assert "accelerate launch" not in out and "No command:" in out, out[-2000:]
+    rows = plan.main(["--task", "causal-lm", "--model_preset", "tiny", "--seq_len", "128", "--kernels", "cpu"])
+    capsys.readouterr()
+    assert any(not why for _, why in rows)  # at the limit: runnable
+    # the same class, by the recipes' own checks: a bidirectional encoder as a causal LM, no room for text
+    for argv, says in ((["--model_name_or_path", "bert-base-uncased", "--task", "causal-lm"], "bidirectional"),
+                       (["--task", "text-classification", "--seq_len", "3", "--kernels", "cpu"], "least that trains")):
+        rows = plan.main(argv)
+        out = capsys.readouterr().out
+        assert rows and not any(not why for _, why in rows) and "accelerate launch" not in out
+        assert says in out.split("No command:")[1], out[-1500:]
+
+
+def test_checkpoint_every_that_saves_nothing_is_never_chosen():
+    """With memory to spare, the checkpointing row picks the least recompute that lowers the peak: never
+    --checkpoint_every L (the last block alone, rebuilt while every other block holds its activations)."""
+    argv = ["--model_name_or_path", "meta-llama/Llama-3.1-8B", "--num_gpus", "1", "--gpu_memory", "141GB",
+            "--seq_len", "1024", "--per_device_batch_size", "1", "--top", "0"]
+    args, spec = plan.resolve(argv)
+    none = plan.activation_bytes(spec, 1, 1024, "bf16", False, weights16=False).saved
+    for pred, _ in plan.plan(spec, args):
+        if pred.technique.recipe == "activation_checkpointing" and not pred.technique.compile:
+            assert pred.args != ("--checkpoint_every", str(spec.layers)), pred.row
+            if pred.precision == "bf16":
+                assert pred.activations < none, pred.row
+    options = plan.recompute_options(spec, 1, 1024, "bf16")
+    assert all(b.activations < a.activations for a, b in zip(options, options[1:], strict=False))
+
+
+def test_field_rows_map_to_commands():
+    """FSDP + selective checkpointing (recipes/combined.py), paged 8-bit AdamW (optim_8bit.py --paged, CUDA only),
+    torch.compile (--torch_compile regional, a stated adjustment); zero2_offload runs on recipes/zero.py."""
+    args, spec = plan.resolve(["--model_name_or_path", "meta-llama/Llama-3.1-8B", "--num_gpus", "8", "--seq_len",
+                               "2048", "--per_device_batch_size", "1", "--top", "0"])
+    rows = {p.row: (p, why) for p, why in plan.plan(spec, args)}
+    sel, why = rows["fsdp+sel_ckpt:bf16"]
+    full = rows["fsdp+ckpt:bf16"][0]
+    line = plan.command(sel.technique, "bf16", args)
+    assert "recipes/combined.py" in line and "--checkpointing_policy selective" in line and "fsdp.yaml" in line
+    assert full.activations < sel.activations < rows["fsdp:bf16"][0].activations and not why
+    paged, plain = rows["optim_8bit_paged:bf16"][0], rows["optim_8bit:bf16"][0]
+    assert paged.optimizer == 0 and paged.host >= plain.optimizer and "--paged" in plan.command(
+        paged.technique, "bf16", args)
+    compiled, eager = rows["baseline_compiled:bf16"][0], rows["baseline:bf16"][0]
+    assert compiled.activations < eager.activations and any("stated adjustment" in n for n in compiled.notes)
+    assert rows["zero2_offload:bf16"][0].technique.recipe == "zero"
+    cpu_args, _ = plan.resolve(["--task", "causal-lm", "--model_preset", "tiny-llama", "--kernels", "cpu"])
+    cpu = {p.row: why for p, why in plan.plan(spec, cpu_args)}
+    assert any("CUDA" in w for w in cpu["optim_8bit_paged:fp32"])
 
 
 def test_moe_and_multi_node_layouts(capsys):
@@ -788,4 +876,4 @@ def test_moe_and_multi_node_layouts(capsys):
     assert [p for p, why in rows if not why and p.technique.adapters]
     assert "No full fine-tuning fits as asked (the adapters above do)" in out
     more = re.search(r"(\d+) GPUs instead of 8 \((\S+)\): ([\d.]+) GiB per device", out)
-    assert more and int(more[1]) > 8 and float(more[3]) * 2**30 <= plan.parse_bytes("80GB") - 2**30, out
+    assert more and int(more[1]) > 8 and float(more[3]) * 2**30 <= plan.parse_memory("80GB") - 2**30, out

@@ -85,8 +85,10 @@ def test_least_recompute_picks_the_cheapest_setting_that_fits():
     assert [o.recompute for o in options] == sorted(o.recompute for o in options)
     assert options[0].every == 0 and options[-1] == plan.Recompute(1, False, options[-1].activations, 1.0)
     assert any(o.selective for o in options)
-    # every = 12 checkpoints only the last block, recomputed while all others still hold theirs: no lower peak
-    assert options[1].every == spec.layers and options[1].activations == pytest.approx(options[0].activations)
+    # every = 12 checkpoints only the last block, recomputed while all others still hold theirs: no lower peak, so
+    # it is no option; each option recomputes more than the one before only to save memory
+    assert all(o.every != spec.layers for o in options) and options[1].every == spec.layers // 2
+    assert all(b.activations < a.activations for a, b in zip(options, options[1:], strict=False))
     assert plan.least_recompute(spec, 8, 512, options[0].activations, "bf16").every == 0
     assert plan.least_recompute(spec, 8, 512, options[-1].activations - 1, "bf16") is None
     for o in options[1:]:

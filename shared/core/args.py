@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -254,4 +255,8 @@ def parse_args(
     if args.max_train_steps is not None and args.num_warmup_steps >= args.max_train_steps:
         p.error(f"--num_warmup_steps {args.num_warmup_steps} >= --max_train_steps {args.max_train_steps}: the "
                 "learning rate would never reach --learning_rate. Lower --num_warmup_steps.")
+    # INFO on the main process from here on: where the launch config's and a DeepSpeed JSON's settings came from is
+    # logged before the Accelerator exists.
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
     return args  # as typed: values resolved from it (the learning rate, the output dir, ...) are the Launch's

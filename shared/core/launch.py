@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from . import quiet, rules, rundir
 from .args import FROM_SCRATCH_LR, PRETRAINED_LR
 from .errors import LaunchError, RecipeError
-from .fsdp_cpu import force_fsdp_on_cpu
+from .fsdp_launch import force_fsdp_on_cpu, fsdp_plugin_kwargs
 
 logger = logging.getLogger("recipes")
 
@@ -183,6 +183,8 @@ def resolve_launch(
         batch = int(deepspeed_config.get("train_micro_batch_size_per_gpu", batch))
         accumulation = int(deepspeed_config.get("gradient_accumulation_steps", accumulation))
         clipping = float(deepspeed_config.get("gradient_clipping", clipping))
+        stated_lr = (deepspeed_config.get("optimizer") or {}).get("params", {}).get("lr", "auto")
+        learning_rate = learning_rate if stated_lr == "auto" else float(stated_lr)  # the JSON's optimizer runs
     elif fsdp_plugin is not None:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -197,6 +199,8 @@ def resolve_launch(
                      async_checkpoint=args.async_checkpoint, weights=args.weights_dtype,
                      preset="" if args.model_name_or_path else args.model_preset, **{"task": args.task, **asks})
     rules.check(run)  # the rule table: refused here, with the reason and the fix
+    if launched == "fsdp" and fsdp_plugin is None:  # the launch config's FSDP settings, checked; the recipe passes it
+        fsdp_plugin = FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs(args))
     check_environment(mixed_precision, uses_deepspeed=sharding.startswith("zero"))
     home = Path(os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
                                                   "huggingface"))  # datasets and Transformers cache what they load
@@ -228,7 +232,7 @@ def resolve_launch(
     elif on_cpu and world > 1:
         if sharding == "fsdp":
             # Accelerate never enables FSDP without GPUs (the replicas would train unsynced): start a gloo group
-            # here and force FSDP2 once the Accelerator exists (start_run, shared/core/fsdp_cpu.py).
+            # here and force FSDP2 once the Accelerator exists (start_run, shared/core/fsdp_launch.py).
             process_group.backend = "gloo"
         else:
             # A MULTI_GPU config with `use_cpu: true` gives real gloo DDP only with cpu=True in the script;
@@ -288,10 +292,6 @@ def start_run(accelerator: Accelerator, launch: Launch) -> None:
         _enable_cpu_fp16(accelerator)
 
     args = launch.args
-    logging.basicConfig(
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        level=logging.INFO if accelerator.is_main_process else logging.WARNING,
-    )
     set_seed(args.seed)
     if launch.log_with:
         config = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))

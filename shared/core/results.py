@@ -138,6 +138,8 @@ def save_model(accelerator, model: torch.nn.Module, task, output_dir: str) -> No
     for target in getattr(unwrapped, "all_tied_weights_keys", None) or {}:  # {target: source}, ties in effect
         if state_dict is not None:
             state_dict.pop(target, None)
+    if state_dict is not None:
+        state_dict = {name: _plain(t) for name, t in state_dict.items()}
     if accelerator.is_main_process:  # the gathered state is the main process's: ZeRO-3 hands the others None, on
         # which save_pretrained would read their empty partitions (a mixture of experts' fused experts then fail
         # transformers' reverse weight conversion: "chunk expects chunks to be greater than 0")
@@ -146,3 +148,14 @@ def save_model(accelerator, model: torch.nn.Module, task, output_dir: str) -> No
         task.save_preprocessing(output_dir)
         logger.info("saved model to %s", output_dir)
     accelerator.wait_for_everyone()
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The weight inside a wrapper subclass that holds one (torchao's float8 weight, WeightWithDynamicFloat8CastTensor):
+    its own storage is invalid, and save_pretrained, reading storage pointers to find ties, failed on it."""
+    from torch.distributed.tensor import DTensor
+
+    if type(tensor) is torch.Tensor or isinstance(tensor, DTensor) or not hasattr(tensor, "__tensor_flatten__"):
+        return tensor
+    inner, _ = tensor.__tensor_flatten__()
+    return getattr(tensor, inner[0]) if len(inner) == 1 else tensor

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from . import data, losses, models, rules
 from .errors import InputError
+from .fsdp_launch import wrap_blocks
 
 if TYPE_CHECKING:
     from .launch import Launch
@@ -180,6 +181,7 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
         raise InputError("keep_columns serves text-classification, and causal-lm with --packing none (a packed block "
                          f"holds parts of many rows), not --task {args.task} --packing {args.packing}.")
     task = module.build(args, accelerator, train_raw, val_raw, source, batches, tuple(keep_columns))
+    wrap_blocks(accelerator, task.model, models.transformer_layers)  # under FSDP: one unit per block
     n_train = len(task.train_dataloader.dataset)
     packed = task.packing != "none"
     if n_train == 0:

@@ -42,42 +42,76 @@ SETTINGS: dict[str, tuple[str | None, str | None]] = {
     "zero_optimization.offload_param.nvme_path": ("nvme_path", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH"),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
         None, "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"),
+    # The JSON's own optimizer and scheduler blocks, where it has them (json_optimizer_and_scheduler below)
+    "optimizer.params.lr": ("learning_rate", None),
+    "optimizer.params.weight_decay": ("weight_decay", None),
+    "scheduler.params.warmup_num_steps": ("num_warmup_steps", None),
 }
+SOURCES = "recipe_settings_sources"
 _TRAINING = ("gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu", "mixed_precision")
-_FLAG_TYPES = {"max_grad_norm": float, "gradient_accumulation_steps": int, "per_device_train_batch_size": int}
+_FLAG_TYPES = {"max_grad_norm": float, "gradient_accumulation_steps": int, "per_device_train_batch_size": int,
+               "learning_rate": float, "weight_decay": float, "num_warmup_steps": int}
 
 
 def add_deepspeed_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--deepspeed_config", default=None,
-                       help="A DeepSpeed JSON; overrides the recipe's settings. Values set to \"auto\" are filled "
-                            "from the flags; explicit values must agree with the flags and the accelerate config.")
+                       help="A DeepSpeed JSON: its settings replace the recipe's (its optimizer and scheduler "
+                            "blocks run too). Values set to \"auto\" are filled from the flags; explicit values must "
+                            "agree with the flags and the accelerate config.")
     group.add_argument("--nvme_path", default=None,
                        help="Directory for NVMe offload (swap files go there; removed when the run ends).")
 
 
 def _get(config: dict, key: str) -> object:
     node: object = config
-    for part in key.split("."):
+    *parents, last = key.split(".")
+    for part in parents:
         if not isinstance(node, dict) or part not in node:
             return None
         node = node[part]
-    return node
+    if not isinstance(node, dict):
+        return None
+    names = zero_spellings(last) if parents == ["zero_optimization"] else [last]
+    return next((node[name] for name in names if name in node), None)
+
+
+def zero_spellings(key: str) -> list[str]:
+    """Every name DeepSpeed's own config model accepts for a zero_optimization setting: the field, its alias and
+    the deprecated names that map to it (stage3_gather_fp16_weights_on_model_save ...), `key` first. A value the
+    user's JSON spells another way is read, and never written again under a second name (DeepSpeed would reject
+    the pair)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    fields = DeepSpeedZeroConfig.model_fields
+    target = next((name for name, f in fields.items() if key in (name, f.alias)), None)
+    if target is None:
+        return [key]
+    names = [key, target, fields[target].alias]
+    for name, f in fields.items():
+        extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
+        if extra.get("deprecated") and extra.get("new_param") == target:
+            names += [name, f.alias]
+    return list(dict.fromkeys(n for n in names if n))
 
 
 def _set(config: dict, key: str, value: object) -> None:
+    """Under the name the user's JSON already spells it, if it does."""
     *parents, last = key.split(".")
     node = config
     for part in parents:
         node = node.setdefault(part, {})
+    if parents == ["zero_optimization"]:
+        last = next((name for name in zero_spellings(last) if name in node), last)
     node[last] = value
 
 
 def _normalize(key: str, value: object) -> object:
     if value is None or value == "auto":
         return None
-    if key in ("gradient_clipping",):
+    if key in ("gradient_clipping", "optimizer.params.lr", "optimizer.params.weight_decay"):
         return float(value)
-    if key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "zero_optimization.stage"):
+    if key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "zero_optimization.stage",
+               "scheduler.params.warmup_num_steps"):
         return int(value)
     if key.endswith("gather_16bit_weights_on_model_save"):
         return str(value).lower() in ("1", "true")
@@ -123,12 +157,26 @@ def zero_config(stage: int, offload: str | None = None) -> dict:
     return config
 
 
+def zero3_init(ds_config: dict) -> bool:
+    """Build the model under zero.Init (partitioned as it is built, no process ever holds it all): under ZeRO-3,
+    unless the accelerate config says `zero3_init_flag: false`, which is honoured (the model is built whole, then
+    partitioned at prepare())."""
+    stated = os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_INIT")
+    stage3 = int(ds_config["zero_optimization"]["stage"]) == 3
+    return stage3 and (stated is None or stated.lower() in ("1", "true", "yes"))
+
+
 def launched_deepspeed_config(args: argparse.Namespace) -> dict | None:
     """For recipes whose launch config picks the sharding: the DeepSpeed settings when it chose DeepSpeed (stage and
     offload from it), resolved and checked as recipes/zero.py's; None when it chose anything else."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return None
-    return resolve_deepspeed_config(args, zero_config(int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))))
+    config = resolve_deepspeed_config(args, zero_config(int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))))
+    if blocks := [b for b in ("optimizer", "scheduler") if b in config]:
+        raise LaunchError(f"The DeepSpeed JSON has {' and '.join(blocks)} blocks: this recipe builds its own optimizer "
+                          "and schedule (its flags choose them). Remove the blocks, or run the JSON's with "
+                          "recipes/zero.py.")
+    return config
 
 
 def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> dict:
@@ -185,23 +233,19 @@ def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> d
             config.setdefault("bf16", {})["enabled"] = value == "bf16"
         elif key.endswith("nvme_path"):
             continue  # written below, only where the device is nvme
+        elif key.split(".")[0] in ("optimizer", "scheduler") and key.split(".")[0] not in config:
+            continue  # no such block in the JSON: the recipe's own optimizer and schedule take the flag
         else:
             _set(config, key, _FLAG_TYPES.get(SETTINGS[key][0], lambda v: v)(value))
-    for key in ("train_batch_size",):  # a global batch stated in the JSON must agree with the resolved pieces
-        stated = _normalize("gradient_accumulation_steps", config.get(key))
-        if stated is not None:
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-            micro, accumulation = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
-            product = micro * accumulation * world
-            if stated != product:
-                raise LaunchError(f"train_batch_size {stated} in the DeepSpeed JSON {json_file} != micro-batch "
-                                  f"{micro} x accumulation {accumulation} x {world} processes = {product}. "
-                                  "Set it to \"auto\".")
+    _check_global_batch(config, chosen, json_file)
+    _refuse_what_the_loop_cannot_run(config, chosen, json_file)
 
     zero = config.setdefault("zero_optimization", {})
     stage = int(zero.get("stage", 0))
     if stage not in (1, 2, 3):
-        raise LaunchError(f"ZeRO stage {stage}: these recipes run stage 1, 2 or 3.")
+        raise LaunchError(f"ZeRO stage {stage}: these recipes run stage 1, 2 or 3. Stage 0 shards nothing: that is "
+                          "DDP, recipes/data_parallel.py with accelerate_configs/multi_cpu.yaml (multi_gpu.yaml on "
+                          "GPUs).")
     for part in ("offload_optimizer", "offload_param"):
         block = zero.get(part)
         device = (block or {}).get("device", "none")
@@ -223,13 +267,99 @@ def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> d
         if save16[0] is False:
             raise LaunchError(f"stage3_gather_16bit_weights_on_model_save is false ({save16[1]}): the final model "
                               "cannot be consolidated. Set it true, or pass --no_save_model.")
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
+        _set(config, "zero_optimization.stage3_gather_16bit_weights_on_model_save", True)
 
     # Accelerate refuses a config dict beside YAML DeepSpeed fields ("will be ignored"): they were merged and
     # checked against each other above, so that refusal no longer applies.
     os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
     logger.info("DeepSpeed settings: %s", "; ".join(f"{k}={v} (from {s})" for k, (v, s) in chosen.items()))
+    # Where each value came from, for results.json (deepspeed_summary); DeepSpeed ignores keys it does not know.
+    config[SOURCES] = {k: s for k, (_, s) in chosen.items()}
     return config
+
+
+def _check_global_batch(config: dict, chosen: dict, json_file: str | None) -> None:
+    """A global batch the JSON states (train_batch_size) is honoured: the micro-batch or the accumulation that nobody
+    set is derived from it, or, where both were set, all three must agree (the refusal names the flags that keep it)."""
+    stated = _normalize("gradient_accumulation_steps", config.get("train_batch_size"))
+    if stated is None:
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    micro, accumulation = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
+    for key, other in (("train_micro_batch_size_per_gpu", accumulation), ("gradient_accumulation_steps", micro)):
+        if chosen[key][1].startswith("the default") and stated % (other * world) == 0 and stated != micro * \
+                accumulation * world:
+            config[key] = stated // (other * world)
+            chosen[key] = (config[key], f"train_batch_size {stated} in the DeepSpeed JSON {json_file}")
+            return
+    if stated != micro * accumulation * world:
+        keep = [f"--per_device_train_batch_size {stated // (accumulation * world)}"] if stated % (
+            accumulation * world) == 0 else []
+        keep += [f"--gradient_accumulation_steps {stated // (micro * world)}"] if stated % (micro * world) == 0 else []
+        raise LaunchError(f"train_batch_size {stated} in the DeepSpeed JSON {json_file} != micro-batch {micro} x "
+                          f"accumulation {accumulation} x {world} processes = {micro * accumulation * world}. To keep "
+                          f"the global batch of {stated}: " + (" or ".join(keep) if keep else
+                                                              "a micro-batch and accumulation whose product with the "
+                                                              f"{world} processes is {stated}") +
+                          "; or set train_batch_size to \"auto\".")
+
+
+def _refuse_what_the_loop_cannot_run(config: dict, chosen: dict, json_file: str | None) -> None:
+    """JSON settings that change training and that these recipes do not run as written: refused by name."""
+    where = f"the DeepSpeed JSON {json_file}" if json_file else "the DeepSpeed settings"
+    if chosen["mixed_precision"][0] == "fp16" and not torch.accelerator.is_available():
+        source = chosen["mixed_precision"][1]
+        fix = ('set "fp16": {"enabled": "auto"} (or false) in ' + json_file + ", then --mixed_precision bf16 or fp32"
+               ) if "JSON" in source else "--mixed_precision bf16, or fp32"
+        raise LaunchError(f"fp16 ({source}) under DeepSpeed needs a GPU: on CPU DeepSpeed refuses it ('Type fp16 is "
+                          f"not supported on CPU'). Use {fix}.")
+    tp = config.get("tensor_parallel") or {}
+    if int(tp.get("autotp_size", 1) or 1) > 1:
+        raise LaunchError(f"tensor_parallel.autotp_size {tp['autotp_size']} in {where}: DeepSpeed's AutoTP is not "
+                          "run by the ZeRO recipes (they shard data-parallel). Remove the block, or use "
+                          "recipes/tensor_parallel.py for tensor parallelism.")
+    if int(config.get("sequence_parallel_size", 1) or 1) > 1:
+        raise LaunchError(f"sequence_parallel_size in {where}: the ZeRO recipes do not split sequences. Remove it, "
+                          "or use recipes/sequence_parallel.py (DeepSpeed's Ulysses).")
+    for block in ("amp", "torch_autocast"):
+        if str((config.get(block) or {}).get("enabled", False)).lower() == "true":
+            raise LaunchError(f'"{block}": {{"enabled": true}} in {where}: precision is set by --mixed_precision '
+                              '(or the "fp16" / "bf16" blocks) here, which the loop and results.json follow. '
+                              f'Remove the "{block}" block and pass --mixed_precision bf16 (or fp16 on a GPU).')
+    if (config.get("optimizer") or {}).get("type", "").lower() in ("onebitadam", "zerooneadam", "onebitlamb"):
+        raise LaunchError(f"optimizer {config['optimizer']['type']} in {where}: DeepSpeed's 1-bit optimizers need "
+                          "NCCL or MPI compression backends these recipes do not set up. Use AdamW.")
+
+
+def json_optimizer_and_scheduler(ds_config: dict, launch: object, model: torch.nn.Module, max_steps: int
+                                 ) -> tuple[object, object]:
+    """The recipe's AdamW and schedule (shared/core/optim.py); where the DeepSpeed JSON has an "optimizer" or a
+    "scheduler" block, that block runs instead, as DeepSpeed builds it: Accelerate's DummyOptim / DummyScheduler
+    stand in until prepare(), which fills the block's "auto" values (--learning_rate, --weight_decay,
+    --num_warmup_steps, the step count). Without this Accelerate refuses the JSON ("You cannot specify an optimizer
+    in the config file and in the code")."""
+    from accelerate.utils import DummyOptim, DummyScheduler
+    from transformers import get_scheduler
+
+    from ..core.optim import optimizer_and_scheduler
+
+    optimizer, scheduler = optimizer_and_scheduler(launch, model, max_steps)
+    if "optimizer" not in ds_config and "scheduler" not in ds_config:
+        return optimizer, scheduler
+    args = launch.args
+    if "optimizer" in ds_config:
+        # The JSON's weight decay on the weights; none on biases and norms, as the recipe's own AdamW.
+        groups = [{"params": g["params"], **({"weight_decay": 0.0} if g["weight_decay"] == 0.0 else {})}
+                  for g in optimizer.param_groups]
+        optimizer = DummyOptim(groups, lr=launch.learning_rate, weight_decay=args.weight_decay)
+    if "scheduler" in ds_config:
+        # Accelerate divides the total by the process count (it counts batches over all processes).
+        scheduler = DummyScheduler(optimizer, total_num_steps=max_steps * int(os.environ.get("WORLD_SIZE", "1")),
+                                   warmup_num_steps=args.num_warmup_steps)
+    elif isinstance(optimizer, DummyOptim):  # the JSON's optimizer with the recipe's schedule, built on it
+        scheduler = DummyScheduler(optimizer, lr_scheduler_callable=lambda opt: get_scheduler(
+            args.lr_scheduler_type, opt, num_warmup_steps=args.num_warmup_steps, num_training_steps=max_steps))
+    return optimizer, scheduler
 
 
 def _check_async_io() -> None:
@@ -317,6 +447,10 @@ def deepspeed_summary(accelerator, model: torch.nn.Module) -> dict[str, object]:
         "deepspeed_micro_batch_size": model.train_micro_batch_size_per_gpu(),
         "deepspeed_bf16": model.bfloat16_enabled(),
         "deepspeed_fp16": model.fp16_enabled(),
+        # The JSON's optimizer and scheduler where it has them (json_optimizer_and_scheduler), else the recipe's.
+        "deepspeed_optimizer": (config.get("optimizer") or {}).get("type", "the recipe's AdamW"),
+        "deepspeed_scheduler": (config.get("scheduler") or {}).get("type", "the recipe's --lr_scheduler_type"),
+        "deepspeed_settings_from": config.get(SOURCES, {}),
     }
 
 

@@ -18,6 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils.ao import find_first_last_linear_layers
 
 from ..core import rules
+from ..core.errors import LaunchError
 from ..core.rules import RECIPES, Rule, Support
 from . import quant  # noqa: F401  (its rule on weights outside nn.Linear)
 
@@ -51,6 +52,27 @@ def check_fp8_resolved(accelerator: Accelerator) -> None:
                       fp8_backend=backend.name if isinstance(backend, FP8BackendType) else str(backend))
 
 
+def check_fp8_launch_config(env: dict[str, str] | None = None) -> None:
+    """A launch config's fp8_config (`accelerate launch` passes it as ACCELERATE_FP8_*): this recipe runs torchao's
+    float8 (backend AO, AORecipeKwargs), so another backend, or settings only another backend reads, are refused
+    rather than dropped (Accelerate would quietly take the recipe's AO handler over the config)."""
+    import importlib.util
+    import os
+
+    env = os.environ if env is None else env
+    backend = env.get("ACCELERATE_FP8_BACKEND", "AO").upper()
+    if backend != "AO":
+        installed = "installed" if importlib.util.find_spec("transformer_engine") else "not installed"
+        raise LaunchError(f"fp8_config backend: {backend} in the launch config: recipes/fp8.py runs torchao's float8 "
+                          f"(backend AO, installed: torchao); Transformer Engine is {installed} here and not wired "
+                          "into these recipes. Set backend: AO in fp8_config and remove the other backend's keys, "
+                          "or remove fp8_config.")
+    if others := sorted(k for k in env if k.startswith("ACCELERATE_FP8_") and k != "ACCELERATE_FP8_BACKEND"):
+        keys = ", ".join(k.removeprefix("ACCELERATE_").lower() for k in others)
+        raise LaunchError(f"{keys} in the launch config's fp8_config: Transformer Engine's or MS-AMP's settings, "
+                          "which torchao's float8 (the backend this recipe runs) does not read. Remove them.")
+
+
 def fp8_summary(accelerator: Accelerator, model: torch.nn.Module) -> dict:
     """After prepare: the results.json fields. Stops when nothing was converted (e.g. GPT-2, whose blocks are Conv1D,
     not nn.Linear): that run would be plain bf16 under an fp8 label."""
@@ -62,7 +84,8 @@ def fp8_summary(accelerator: Accelerator, model: torch.nn.Module) -> dict:
     # A mixture of experts' experts are not nn.Linear: they would run in bf16 under the fp8 label.
     rules.check_built("fp8", model_type=inner.config.model_type, linear_only="converts to Float8Linear",
                       outside_linear=weights_outside_linear(inner))
-    return {"fp8_linears": len(converted), "fp8_linear_names": converted, "kept_high_precision": kept}
+    return {"fp8_backend": "AO (torchao float8, AORecipeKwargs)", "fp8_linears": len(converted),
+            "fp8_linear_names": converted, "kept_high_precision": kept}
 
 
 # The refusals of this technique, in the rule table (shared/core/rules.py) once this module is imported.

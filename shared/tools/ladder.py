@@ -16,7 +16,6 @@ from .plan import (
     ModelSpec,
     Prediction,
     Technique,
-    activation_bytes,
     fmt,
     predict,
     resolve,
@@ -101,7 +100,8 @@ def technique(flags: dict[str, str], config: str | None) -> tuple[Technique, str
         "ladder", "combined", config, checkpointing="--gradient_checkpointing" in flags, optimizer=optim,
         load_in=flags.get("--load_in", "full"), lora="--lora" in flags,
         loss_chunk=int(flags.get("--loss_chunk_size", 1024)) if "--chunked_loss" in flags else 0,
-        act_offload=flags.get(OFFLOAD_FLAG, ""), **launch)
+        act_offload=flags.get(OFFLOAD_FLAG, ""), selective=flags.get("--checkpointing_policy") == "selective",
+        compile="--torch_compile" in flags, **launch)
     return tech, "bf16" if flags.get("--mixed_precision") == "bf16" else "fp32"
 
 
@@ -128,13 +128,7 @@ def predict_rung(spec: ModelSpec, flags: dict[str, str], config: str | None, bat
     the optimizer step in backward on top of a low-bit optimizer (each gradient freed once its parameter stepped)."""
     tech, precision = technique(flags, config)
     n = 2 if config else 1
-    p = predict(spec, tech, precision, n, batch, seq, kernels=kernels, lora_r=lora_r)
-    if tech.checkpointing and flags.get("--checkpointing_policy") == "selective":
-        kw = dict(kernels=kernels, loss_chunk=tech.loss_chunk)
-        full = activation_bytes(spec, batch, seq, precision, True, **kw)
-        sel = activation_bytes(spec, batch, seq, precision, True, selective=True, **kw)
-        p.activations += sel.saved + sel.layer - full.saved - full.layer
-        p.recompute = 0.3
+    p = predict(spec, tech, precision, n, batch, seq, kernels=kernels, lora_r=lora_r)  # the selective policy too
     trainable = spec.tensor_numels
     if tech.adapters:
         trainable = [lora_r * d for i, o in [*spec.lora_targets, *spec.lora_param_targets] for d in (i, o)]
@@ -142,7 +136,10 @@ def predict_rung(spec: ModelSpec, flags: dict[str, str], config: str | None, bat
         if tech.optimizer in TORCHAO_STATES:  # predict() gives the adapters torch AdamW's state
             p.optimizer = torchao_adam_state_bytes(trainable, tech.optimizer)
     if "--optimizer_in_backward" in flags:  # at most one parameter's gradient alive
-        p.grads = 4 * max(trainable)
+        wt = spec.weight_bytes if not tech.adapters else 4
+        p.grads = wt * max(trainable)
+        if tech.optimizer == "adamw" and not config and kernels == "cuda":  # one parameter steps at a time: no
+            p.buffers -= wt * spec.num_params  # foreach temporaries over the whole model (predict's AdamW buffer)
         p.notes.append("optimizer step in backward: one parameter's gradient at a time")
     return p
 
@@ -158,23 +155,41 @@ def ladder(spec: ModelSpec, batch: int, seq: int, kernels: str = "cuda",
     return out
 
 
+# What the first two rungs are when the weights are trained in bf16 (--weights_dtype bf16, or auto on a bf16
+# checkpoint): no fp32 anywhere, so "fp32" and "fp32 master weights" would be false.
+BF16_WEIGHTS_LABELS = {"baseline": "bf16 weights as loaded, AdamW (no fp32 masters)",
+                       "bf16": "bf16 autocast on bf16 weights (no fp32 masters)"}
+
+
+def rung_label(rung: Rung, spec: ModelSpec) -> str:
+    """What the rung adds, in words true for the model's weights dtype."""
+    return BF16_WEIGHTS_LABELS.get(rung.name, rung.adds) if spec.weight_bytes == 2 else rung.adds
+
+
 def print_ladder(spec: ModelSpec, args: argparse.Namespace) -> None:
     """The ladder for the user's model and GPU: per rung, what it adds and the bytes per device."""
     usable = args.gpu_memory - args.reserve
     print(f"Technique ladder for {spec.name}: {args.per_device_batch_size} x {args.seq_len} tokens per device, "
           f"{fmt(args.gpu_memory)} per GPU ({fmt(usable)} usable); each rung adds one technique to the one before "
           "(recipes/combined.py flags; the ZeRO rungs: 2 GPUs)")
-    print(f"{'rung':<15}{'adds':<44}{'weights':>10}{'grads':>10}{'optim':>10}{'activ':>10}{'peak':>10}{'speed':>7}"
-          "  fits")
+    if spec.weight_bytes == 2:
+        print(f"weights: --weights_dtype {spec.weights_dtype}: bf16 weights, gradients and AdamW moments, no fp32 "
+              "masters (the ZeRO rungs: DeepSpeed keeps its own fp32 partitions)")
+    print(f"{'rung':<15}{'adds':<50}{'weights':>10}{'grads':>10}{'optim':>10}{'activ':>10}{'buffers':>10}"
+          f"{'peak':>11}{'speed':>7}  fits")
     for rung, _, p, refused in ladder(spec, args.per_device_batch_size, args.seq_len, args.kernels, args.lora_r):
+        adds = rung_label(rung, spec)
         if refused:
-            print(f"{rung.name:<15}{rung.adds:<44}refused: {refused[0][:150]}")
+            print(f"{rung.name:<15}{adds:<50}refused: {refused[0][:150]}")
             continue
         fits = "yes" if p.device_peak <= usable else "no"
-        print(f"{rung.name:<15}{rung.adds:<44}{fmt(p.weights):>10}{fmt(p.grads):>10}{fmt(p.optimizer):>10}"
-              f"{fmt(p.activations):>10}{fmt(p.device_peak):>10}{p.speed:>7.2f}  {fits}")
-    print("Run a rung: accelerate launch [--config_file accelerate_configs/<config>] recipes/combined.py <its flags>;"
-          " measured on CPU: benchmarks/ladder.py (docs/ladder.md)")
+        print(f"{rung.name:<15}{adds:<50}{fmt(p.weights):>10}{fmt(p.grads):>10}{fmt(p.optimizer):>10}"
+              f"{fmt(p.activations):>10}{fmt(p.buffers):>10}{fmt(p.device_peak):>11}{p.speed:>7.2f}  {fits}")
+    print("weights + grads + optim + activ + buffers = peak (buffers: the optimizer's temporaries, the logits at the "
+          "loss, gathered shards)")
+    dtype = f" --weights_dtype {spec.weights_dtype}" if spec.weights_dtype not in ("fp32", "auto") else ""
+    print("Run a rung: accelerate launch [--config_file accelerate_configs/<config>] recipes/combined.py <its flags>"
+          f"{dtype}; measured on CPU: benchmarks/ladder.py (docs/ladder.md)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -86,7 +86,9 @@ class ModelSpec:
     expert_intermediate: int = 0  # one expert's MLP width
     expert_numel: int = 0  # parameters of the experts, all blocks
     layer_expert_numel: int = 0  # parameters of one block's experts
-    weight_bytes: int = 4  # bytes per weight as the recipes load them: the checkpoint's dtype; presets fp32
+    weight_bytes: int = 4  # bytes per weight as the recipes train them (--weights_dtype; auto: the checkpoint's)
+    checkpoint_bytes: int = 4  # bytes per weight in the checkpoint (its config's dtype); presets fp32
+    weights_dtype: str = "auto"  # the --weights_dtype that gave weight_bytes (auto: as loaded)
     tp_split_numel: int = -1  # parameters the model's own tensor-parallel plan splits; -1: it ships none (PLANS)
     logit_transform: str = ""  # a config entry that changes the logits after the head, e.g. final_logit_softcapping=30
     max_positions: int = 0  # position embeddings (0: not limited)
@@ -318,8 +320,8 @@ def model_spec(config, task: str, name: str, disable_dropout: bool = False) -> M
         expert_numel=expert_numel,
         layer_expert_numel=sum(p.numel() for n, p in block.named_parameters() if n.startswith("mlp.experts.")),
         # GPT-2, BERT and ViT split by shared/techniques/tensor_parallel.py's PLANS, whatever their config ships
-        weight_bytes=_dtype_bytes(cfg), tp_split_numel=-1 if family in ("bert", "gpt2", "vit") else _own_tp_split(
-            model, cfg),
+        weight_bytes=_dtype_bytes(cfg), checkpoint_bytes=_dtype_bytes(cfg),
+        tp_split_numel=-1 if family in ("bert", "gpt2", "vit") else _own_tp_split(model, cfg),
         logit_transform=f"final_logit_softcapping={softcap:g}" if softcap else "",
         max_positions=getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None) or 0,
         lora_param_targets=param_targets,
@@ -608,6 +610,18 @@ class Recompute:
                 + (("--checkpointing_policy", "selective") if self.selective else ()))
 
 
+def compile_saving(spec: ModelSpec, batch: int, seq: int | None, mode: str, checkpointing: bool) -> float:
+    """Bytes torch.compile (inductor) keeps out of the saved activations, a stated adjustment: in every block not
+    checkpointed, each RMSNorm saves its input and rstd, not the fp32 copy eager keeps (4 E h), and the fused SiLU x up
+    saves its inputs and output, not SiLU's own output (E I in the matmuls' dtype). Decoders only; checkpointed blocks
+    keep their input alone either way. Against torchtune's Llama 3.2 3B table (+ Compile: -9.0 GiB): 0.97x."""
+    if spec.family != "decoder" or checkpointing or spec.experts:
+        return 0.0
+    e = batch * (spec.seq_tokens or seq or 0)
+    lin_b = 4 if mode == "fp32" else 2
+    return spec.layers * (spec.norms_per_layer * 4 * e * spec.hidden + e * spec.intermediate * lin_b)
+
+
 # Selective checkpointing recomputes LayerNorm, GELU, adds and reshapes, not the matmuls: a prior for its extra step
 # time as a share of full checkpointing's, from one noisy BERT-base reading (x1.10 vs x1.36 on a shared 2-core CPU);
 # not yet measured on a quiet machine or a GPU (docs/checkpointing.md).
@@ -639,7 +653,13 @@ def recompute_options(spec: ModelSpec, batch: int, seq: int | None, precision: s
         options.append(Recompute(every, False, act.saved + act.layer, (n_layers // every) / n_layers))
     act = activation_bytes(spec, batch, seq, precision, True, kernels, 1, selective=True, weights16=weights16)
     options.append(Recompute(1, True, act.saved + act.layer, SELECTIVE_RECOMPUTE))
-    return sorted(options, key=lambda o: (o.recompute, o.activations))
+    # A setting that recomputes more and saves nothing over one that recomputes less (checkpointing only the last
+    # block: backward rebuilds it while every other block still holds its activations) is never a choice.
+    kept: list[Recompute] = []
+    for o in sorted(options, key=lambda o: (o.recompute, o.activations)):
+        if not kept or o.activations < min(k.activations for k in kept):
+            kept.append(o)
+    return kept
 
 
 def least_recompute(spec: ModelSpec, batch: int, seq: int | None, budget: float, precision: str = "fp32",
@@ -697,6 +717,9 @@ class Technique:
     ep: bool = False  # expert parallel: each process holds experts/N whole experts, the dense weights FSDP2-sharded
     hsdp: bool = False  # hybrid sharding: FSDP within a node, replicas across nodes
     act_offload: str = ""  # all | checkpointed: saved activations moved to the host (recipes/activation_offloading.py)
+    selective: bool = False  # with checkpointing: --checkpointing_policy selective (keep matmul and attention outputs)
+    compile: bool = False  # --torch_compile regional: inductor fuses the elementwise ops (compile_saving)
+    paged: bool = False  # bitsandbytes' PagedAdamW8bit (--paged): the 8-bit state in CUDA unified memory
 
     @property
     def adapters(self) -> bool:
@@ -729,14 +752,23 @@ TECHNIQUES: list[Technique] = [
     Technique("baseline", "baseline", None),
     Technique("mixed_precision", "mixed_precision", None, precision="bf16", args=("--mixed_precision", "bf16")),
     Technique("activation_checkpointing", "activation_checkpointing", None, checkpointing=True),
+    # torch.compile through Accelerate (--torch_compile regional), in the recipes that compile (rules.py `compiles`);
+    # its saving is a stated adjustment (compile_saving), its speed a prior from torchtune's table (x0.79)
+    Technique("baseline_compiled", "baseline", None, compile=True, args=("--torch_compile", "regional"), speed=0.8),
+    Technique("activation_checkpointing_compiled", "activation_checkpointing", None, checkpointing=True, compile=True,
+              args=("--torch_compile", "regional"), speed=0.8),
     Technique("optim_8bit", "optim_8bit", None, optimizer="adamw_bnb_8bit"),
+    # PagedAdamW8bit: the state in CUDA unified memory, outside torch's allocator, paged to the host under pressure
+    Technique("optim_8bit_paged", "optim_8bit", None, optimizer="adamw_bnb_8bit", paged=True, args=("--paged",)),
     Technique("optim_4bit", "optim_low_bit", None, optimizer="adamw_torchao_4bit",
               args=("--optim", "adamw_torchao_4bit")),
     Technique("optim_fp8", "optim_low_bit", None, optimizer="adamw_torchao_fp8", args=("--optim", "adamw_torchao_fp8")),
     Technique("optimizer_in_backward", "optimizer_in_backward", None, optimizer="adamw_in_backward"),
     *(Technique(name, "zero", f"{name}.yaml", **_launch(name)) for name in ("zero1", "zero2", "zero3")),
-    *(Technique(name, "zero3_offload", f"{name}.yaml", **_launch(name))
-      for name in ("zero2_offload", "zero3_offload", "zero3_nvme")),
+    # ZeRO-2 with optimizer offload is recipes/zero.py's launch (zero2_offload.yaml says so); zero3_offload.py runs
+    # the ZeRO-3 offload configs (parameters offloaded too)
+    Technique("zero2_offload", "zero", "zero2_offload.yaml", **_launch("zero2_offload")),
+    *(Technique(name, "zero3_offload", f"{name}.yaml", **_launch(name)) for name in ("zero3_offload", "zero3_nvme")),
     *(Technique(name, "fsdp", f"{name}.yaml", **_launch(name)) for name in ("fsdp", "fsdp_offload")),
     # recipes/qlora.py checkpoints the blocks unless --no_gradient_checkpointing
     Technique("qlora_8bit", "qlora", None, precision="bf16", load_in="8bit", checkpointing=True,
@@ -769,7 +801,7 @@ def _signature(t: Technique) -> tuple:
     """What a row does to memory, whichever recipe runs it: a combination a single-technique row already shows is
     planned once, as that row (its recipe teaches the one technique)."""
     return (t.sharding, t.offload, t.offload_params, t.checkpointing, t.optimizer, t.load_in, t.adapters, t.dora,
-            bool(t.loss_chunk), t.splits_sequence, t.tp, t.ep, t.hsdp, t.act_offload)
+            bool(t.loss_chunk), t.splits_sequence, t.tp, t.ep, t.hsdp, t.act_offload, t.selective, t.compile, t.paged)
 
 
 def combined_techniques() -> list[Technique]:
@@ -782,15 +814,17 @@ def combined_techniques() -> list[Technique]:
             if adapter and conf.get("offload") and not conf.get("offload_params"):
                 continue  # offloading the adapters' few optimizer states moves nothing that matters
             for optim in ("adamw", "adamw_bnb_8bit") if not adapter else ("adamw",):
-                for ckpt in (False, True):
+                for ckpt in (False, True, "selective") if not adapter else (False, True):
                     for chunked in (False, True):
                         sharded = conf["sharding"] in ("zero3", "fsdp")
                         storage = "bfloat16" if adapter == "4bit" and sharded else "uint8"
                         name = "+".join(part for part, on in (
-                            (launch, True), ("ckpt", ckpt), ("adam8", optim != "adamw"),
+                            (launch, True), ("sel_ckpt" if ckpt == "selective" else "ckpt", bool(ckpt)),
+                            ("adam8", optim != "adamw"),
                             ({"lora": "lora", "4bit": "qlora4", "8bit": "qlora8"}.get(adapter, ""), bool(adapter)),
                             ("chunked", chunked)) if on)
                         args = [*(("--gradient_checkpointing",) if ckpt else ()),
+                                *(("--checkpointing_policy", "selective") if ckpt == "selective" else ()),
                                 *(("--optim", optim) if optim != "adamw" else ()),
                                 *(("--lora",) if adapter else ()),
                                 *(("--load_in", adapter) if adapter in ("4bit", "8bit") else ()),
@@ -799,7 +833,7 @@ def combined_techniques() -> list[Technique]:
                         speed = conf.get("speed", 1.0) * ADAPTER_SPEED.get(adapter, 1.0)
                         tech = Technique(name, "combined", conf["config"], **_launch(launch) | {"speed": speed},
                                          precision="bf16" if adapter in ("4bit", "8bit") else None,
-                                         checkpointing=ckpt, optimizer=optim,
+                                         checkpointing=bool(ckpt), selective=ckpt == "selective", optimizer=optim,
                                          load_in=adapter if adapter in ("4bit", "8bit") else "full",
                                          lora=adapter == "lora", quant_storage=storage,
                                          loss_chunk=1024 if chunked else 0, args=tuple(args))
@@ -970,7 +1004,15 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
         p.extra_speed = 1 + spec.head_weight_numel / (3 * spec.active_params)
     act = (sequence_parallel_activations(spec, batch, seq, n, precision, kernels, weights16) if tech.splits_sequence
            else activation_bytes(spec, batch, seq, precision, tech.checkpointing, kernels, loss_chunk=tech.loss_chunk,
-                                 tp=tp, weights16=weights16))
+                                 tp=tp, weights16=weights16, selective=tech.selective))
+    if tech.selective:
+        p.recompute = SELECTIVE_RECOMPUTE
+    if tech.compile:
+        saved = compile_saving(spec, batch, seq, "bf16" if weights16 else ("autocast" if half else "fp32"),
+                               tech.checkpointing)
+        act = Activations(act.saved - saved, act.layer, act.transient, act.weight_copies)
+        p.notes.append("torch.compile: a stated adjustment, not a measurement here: inductor's fused RMSNorm and SiLU "
+                       "save neither the norm's fp32 copy nor SiLU's output (decoders; docs/planner.md)")
 
     if tech.adapters:  # LoRA / QLoRA: a frozen base, the adapters (and a new head) trained in fp32
         # each adapter is two tensors, A (r x in) and B (out x r)
@@ -983,7 +1025,10 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
             # bitsandbytes' weights; prepare_model_for_kbit_training casts every other weight to fp32
             base = sum(nf4_bytes(num) if tech.load_in == "4bit" else int8_bytes(num, out)
                        for _, out, num in spec.linear_weights) + 4 * (psi - linear)
-            p.activations = act.saved - act.weight_copies + 2 * linear / 16
+            p.activations = act.saved - act.weight_copies
+            # bitsandbytes dequantizes one weight at a time to the compute dtype (forward, and again in backward for
+            # the input's gradient) and frees it after the matmul: one layer's 16-bit copy is alive at a time
+            p.buffers += 2 * max(num for _, _, num in spec.linear_weights)
         else:  # the base as loaded (DeepSpeed's bf16 casts it); FSDP2 upcasts only what trains
             base = (2 if deepspeed and half else wb) * (psi - spec.head_numel)
             p.activations = act.saved
@@ -1053,7 +1098,11 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
                 p.host += p.weights
             p.weights = 0.0
         if tech.offload != "none" and stage < 3:
-            p.grads = w * psi  # ZeRO-Offload keeps the 16-bit gradients on the device
+            # ZeRO-Offload copies each reduced gradient into the host partition and frees the device's
+            # (stage_1_and_2.py: `clear_grad_attribute(param)  #offload only`): what stays is the reduction buckets,
+            # two of reduce_bucket_size elements (Accelerate's "auto": hidden x hidden) with overlap_comm. DeepSpeed's
+            # estimate_zero2_model_states_mem_needs(cpu_offload=True) counts 2 Psi on the device: the weights alone.
+            p.grads = 2 * w * spec.hidden * spec.hidden
         elif tech.offload != "none":  # ZeRO-3's gradient partitions live on the optimizer's device: the host
             p.host += p.grads
             p.grads = 0.0
@@ -1073,6 +1122,12 @@ def predict(spec: ModelSpec, tech: Technique, precision: str, num_devices: int, 
             p.optimizer = adam_state_bytes(numels, eight_bit=eight, dtype_bytes=wt) / parts
         if tech.optimizer == "adamw_in_backward":  # each gradient is freed in its hook once its parameter has stepped
             p.grads = wt * max(numels)
+        if tech.paged:  # cudaMallocManaged: on the device while it has room, paged out to the host under pressure
+            p.host += p.optimizer
+            p.optimizer = 0.0
+            p.notes.append("paged 8-bit AdamW: its state is in CUDA unified memory, outside torch's allocator "
+                           "(torch.cuda.max_memory_allocated does not see it); counted on the host, where it goes "
+                           "when the device is full; it costs PCIe time then")
         p.activations = act.saved
         if fsdp:  # FSDP gathers a block (and prefetches the next) in the compute dtype; EP's experts stay local
             unit = (max(spec.layer_params - spec.layer_expert_numel, spec.vocab * spec.hidden) if tech.ep
@@ -1126,13 +1181,23 @@ def predict_cpu_run(spec: ModelSpec, tech: Technique, precision: str, num_proces
 # ---------------------------------------------------------------- the command line
 
 
-def parse_bytes(text: str) -> float:
+def parse_bytes(text: str, binary: bool = False) -> float:
+    """A size as written: KiB / MiB / GiB / TiB are powers of 2; KB / MB / GB / TB are powers of 10 unless `binary`,
+    where they are read as the vendors and nvidia-smi mean them on a memory device: an "80GB" card holds 80 GiB
+    (nvidia-smi reports its capacity in MiB, 81,559 for an H100 80GB)."""
     m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
     if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 80GB, 24GiB, 512MB")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 80GB, 24GiB, 512MiB")
     value, unit = float(m.group(1)), (m.group(2) or "B").upper().rstrip("B") or "B"
     scale = {"B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    if binary and unit in "KMGT":
+        unit += "I"
     return value * scale[unit]
+
+
+def parse_memory(text: str) -> float:
+    """--gpu_memory, --reserve, --host_memory: GB read as GiB (parse_bytes' binary reading)."""
+    return parse_bytes(text, binary=True)
 
 
 def fmt(n: float) -> str:
@@ -1216,6 +1281,7 @@ def compat_run(tech: Technique, precision: str, num_processes: int, task: str = 
                      optimizer=tech.optimizer, task=task, seq_len=seq_len,
                      packing="concat" if task == "causal-lm" else "none", tensor_parallel_size=max(0, tech.tp),
                      chunked_loss=bool(tech.loss_chunk), activation_offload=tech.act_offload,
+                     compile="regional" if tech.compile else "none",
                      flags=flags if tech.recipe == "combined" else {}, **built)
 
 
@@ -1237,6 +1303,8 @@ def command(tech: Technique, precision: str, args: argparse.Namespace, extra: tu
         parts.append(f"--max_seq_length {args.seq_len}")
     if precision != "fp32" and "--mixed_precision" not in tech.args:
         parts.append(f"--mixed_precision {precision}")
+    if getattr(args, "weights_dtype", "fp32") != "fp32":  # the recipes' default is fp32 masters
+        parts.append(f"--weights_dtype {args.weights_dtype}")
     parts.extend(tech.args)
     if tech.hsdp:  # shards inside a node, replicas across the nodes
         parts.append(f"--dp_shard_size {args.gpus_per_node}")
@@ -1259,7 +1327,10 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
     # fp32 masters need it), or, for a recipe with its one precision, as loaded.
     free = ["bf16"] if spec.weight_bytes == 2 else ["fp32", "bf16"]
     facts = ModelFacts.of(spec)
+    refused_inputs = input_refusals(spec, args)
     for tech in search_space(spec, n, per_node):
+        if spec.weight_bytes == 2 and tech.name == "mixed_precision":
+            continue  # weights already 16-bit: --mixed_precision bf16 is the baseline's bf16 row, listed once
         for precision in ([tech.precision] if tech.precision else free):
             if tech.sharding != "ddp" and n == 1 and tech.offload == "none":
                 continue  # sharding over one device divides nothing
@@ -1280,6 +1351,10 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
                 why.append(NO_RECIPE + _no_recipe_reason(tech))
             if tech.recipe in rules.RECIPES:  # the recipe's own start-up check: a command it would refuse is no plan
                 why += [CANNOT + r for r in _refusals(tech, precision, n, spec.task, args.seq_len, facts)]
+                why += [CANNOT + r for r in refused_inputs]
+                if tech.paged and args.kernels != "cuda":
+                    why.append(CANNOT + "--paged needs a CUDA device (unified memory); recipes/optim_8bit.py refuses "
+                               "it elsewhere. Fix: drop --paged (plain AdamW8bit holds the same state on the device)")
             if pred.device_peak > usable:
                 big = max((("weights", pred.weights), ("gradients", pred.grads), ("optimizer state", pred.optimizer),
                            ("activations", pred.activations), ("buffers", pred.buffers)), key=lambda kv: kv[1])
@@ -1292,6 +1367,18 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
                 why.append(f"needs {fmt(pred.nvme * per_node)} on NVMe, {fmt(args.nvme_memory)} available")
             rows.append((pred, why))
     return rows
+
+
+def input_refusals(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
+    """What every recipe refuses in the command's own values, whichever technique runs it (shared/core/models.py
+    check_positions): tokens past the position embeddings would crash the first forward."""
+    if getattr(args, "refused_inputs", None) is not None:  # resolve() ran the recipes' own checks
+        return list(args.refused_inputs)
+    out = []
+    if spec.max_positions and spec.seq_tokens is None and args.seq_len > spec.max_positions:
+        out.append(f"--max_seq_length {args.seq_len} exceeds the model's {spec.max_positions} positions (every recipe "
+                   f"refuses it at start-up). Fix: --seq_len {spec.max_positions} or less")
+    return out
 
 
 def short_reason(text: str, limit: int = 100) -> str:
@@ -1416,13 +1503,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_labels", type=int, default=None)
     p.add_argument("--num_gpus", type=int, default=1, help="Devices (processes) in total.")
     p.add_argument("--gpus_per_node", type=int, default=None, help="Default: --num_gpus (one node).")
-    p.add_argument("--gpu_memory", type=parse_bytes, default=parse_bytes("80GB"), help="Per device, e.g. 80GB.")
-    p.add_argument("--reserve", type=parse_bytes, default=parse_bytes("1GiB"),
-                   help="Per device, not available to tensors: CUDA context, allocator fragmentation.")
-    p.add_argument("--host_memory", type=parse_bytes, default=None, help="Per node; unset: not checked.")
-    p.add_argument("--nvme_memory", type=parse_bytes, default=None, help="Per node; unset: not checked.")
-    p.add_argument("--runtime_memory", type=parse_bytes, default=CPU_RUNTIME_BYTES,
+    p.add_argument("--gpu_memory", type=parse_memory, default=parse_memory("80GB"),
+                   help="Per device, the card's capacity as sold and as nvidia-smi shows it: 80GB and 80GiB are both "
+                        "read as 80 GiB (2^30 bytes each; an H100 80GB reports 81,559 MiB). MB / MiB, TB / TiB alike.")
+    p.add_argument("--reserve", type=parse_memory, default=parse_memory("1GiB"),
+                   help="Per device, not available to tensors: CUDA context, allocator fragmentation (GB = GiB).")
+    p.add_argument("--host_memory", type=parse_memory, default=None,
+                   help="Per node, as `free -g` shows it (GB = GiB); unset: not checked.")
+    p.add_argument("--nvme_memory", type=parse_bytes, default=None,
+                   help="Per node, as drives are sold: 1TB = 10^12 bytes (TiB: 2^40); unset: not checked.")
+    p.add_argument("--runtime_memory", type=parse_memory, default=CPU_RUNTIME_BYTES,
                    help="Host memory of one training process before any model state (Python, torch, data).")
+    p.add_argument("--weights_dtype", default="fp32", choices=("fp32", "bf16", "auto"),
+                   help="The recipes' --weights_dtype (issue 33): fp32 (default) loads a 16-bit checkpoint as fp32 "
+                        "master weights, trained under bf16 autocast with --mixed_precision bf16; bf16 trains the "
+                        "weights in bf16 with no fp32 masters (and bf16 AdamW moments); auto: the checkpoint's dtype.")
     p.add_argument("--seq_len", type=int, default=512)
     p.add_argument("--per_device_batch_size", type=int, default=8)
     p.add_argument("--lora_r", type=int, default=8)
@@ -1456,7 +1551,37 @@ def resolve(argv: list[str] | None, prog: str = "python -m shared.tools.plan") -
         raise SystemExit(f"--gpu_memory {fmt(args.gpu_memory)} leaves nothing after --reserve {fmt(args.reserve)}.")
     config, args.task, source = load_config(args.model_name_or_path, args.model_preset, args.task, args.vocab_size,
                                             args.num_labels, args.trust_remote_code)
-    return args, model_spec(config, args.task, source, args.disable_dropout)
+    args.refused_inputs = recipe_input_refusals(config, args.task, args.model_name_or_path or args.model_preset,
+                                                args.seq_len)
+    return args, with_weights_dtype(model_spec(config, args.task, source, args.disable_dropout), args.weights_dtype)
+
+
+def recipe_input_refusals(config, task: str, name: str, seq_len: int) -> list[str]:
+    """What every recipe refuses in the model and the command's own values before any work, by the recipes' own
+    checks (shared/core/models.py, shared/core/datacheck.py): tokens past the position embeddings, a bidirectional
+    encoder as a causal LM, a sequence with no room for text (the tokenizer's special tokens come on top)."""
+    from ..core import datacheck
+    from ..core.errors import InputError
+    from ..core.models import check_fits_task, check_positions
+
+    checks = [lambda: check_fits_task(config, task, name)]
+    if task != "image-classification":  # images have fixed positions: --seq_len is not used
+        checks += [lambda: check_positions(config, seq_len), lambda: datacheck.check_seq_length(seq_len, 0, task)]
+    out = []
+    for check in checks:
+        try:
+            check()
+        except InputError as err:
+            out.append(f"{str(err).rstrip('.')} (every recipe refuses it at start-up)")
+    return out
+
+
+def with_weights_dtype(spec: ModelSpec, weights_dtype: str) -> ModelSpec:
+    """The spec as the recipes' --weights_dtype loads it: fp32 masters, bf16, or the checkpoint's own dtype (auto)."""
+    import dataclasses
+
+    bytes_ = {"fp32": 4, "bf16": 2}.get(weights_dtype, spec.checkpoint_bytes)
+    return dataclasses.replace(spec, weight_bytes=bytes_, weights_dtype=weights_dtype)
 
 
 def main(argv: list[str] | None = None) -> list[tuple[Prediction, list[str]]]:
@@ -1476,7 +1601,10 @@ def main(argv: list[str] | None = None) -> list[tuple[Prediction, list[str]]]:
     adapters = [p for p, _ in fits if p.technique.adapters]
     _print_fits(f"Fits, LoRA / QLoRA adapters on a frozen base ({len(adapters)}), fastest first:", adapters, args)
     _print_unfit(rows, args)
-    if not fits:
+    refused = input_refusals(spec, args)
+    if refused:  # no change of batch, GPUs or technique makes the command acceptable
+        print(f"\nNo command: {refused[0]}")
+    elif not fits:
         nearest = nearest_fits(spec, args)
         if nearest:
             print("\nNothing fits as asked. The nearest configurations that fit, and the change each needs:")
@@ -1516,9 +1644,12 @@ def _print_header(spec: ModelSpec, args: argparse.Namespace) -> None:
           + (f", {args.gpus_per_node} per node" if args.gpus_per_node != args.num_gpus else "")
           + f"; batch {args.per_device_batch_size} x {seq} tokens per device; kernels: {args.kernels}")
     if spec.weight_bytes == 2:
-        print("weights: published in 16 bits and loaded so (from_pretrained's dtype='auto'): DDP, tensor-parallel "
-              "and FSDP-without-mixed-precision rows train them in bf16 with no fp32 master copy (AdamW's moments "
-              "in bf16 too); FSDP with --mixed_precision bf16 and DeepSpeed keep fp32 masters")
+        print(f"weights: --weights_dtype {spec.weights_dtype}: trained in bf16 with no fp32 master copy (AdamW's "
+              "moments in bf16 too) on DDP, tensor-parallel and FSDP-without-mixed-precision rows; FSDP with "
+              "--mixed_precision bf16 and DeepSpeed keep fp32 masters")
+    elif spec.checkpoint_bytes == 2:
+        print(f"weights: published in 16 bits, loaded as fp32 master weights (--weights_dtype {spec.weights_dtype}); "
+              "the bf16 rows train them under bf16 autocast. --weights_dtype bf16: no fp32 masters")
     if spec.max_positions and spec.seq_tokens is None and args.seq_len > spec.max_positions:
         print(f"WARNING: --seq_len {args.seq_len} exceeds the model's {spec.max_positions} positions: the recipes "
               f"refuse it (pass --seq_len {spec.max_positions} or less)")
@@ -1580,7 +1711,10 @@ def _print_unfit(rows: list[tuple[Prediction, list[str]]], args: argparse.Namesp
         groups.setdefault(short_reason(next(w for w in why if w.startswith(CANNOT))), []).append(pred.row)
     for reason, names in groups.items():
         print(f"  {CANNOT}{reason}:")
-        print(textwrap.fill(", ".join(names), width=118, initial_indent="      ", subsequent_indent="      "))
+        many = args.top and len(names) > 3 * args.top  # a refusal of (nearly) every row: a few names and the count
+        listed = ", ".join(names[:args.top] if many else names) + (f" and {len(names) - args.top} more (--top 0: "
+                                                                   "all)" if many else "")
+        print(textwrap.fill(listed, width=118, initial_indent="      ", subsequent_indent="      "))
     if pending:
         print(f"\nModelled, no recipe in this checkout ({len(pending)}): no command to print")
         for pred, why in pending:
@@ -1608,7 +1742,9 @@ def explain(rows: list[tuple[Prediction, list[str]]], row: str, args: argparse.N
         for label, value in (("weights", pred.weights), ("gradients", pred.grads), ("optimizer state",
                              pred.optimizer), ("activations", pred.activations), ("buffers", pred.buffers)):
             print(f"  {label:<16}{fmt(value):>12}")
-        print(f"  {'peak per device':<16}{fmt(pred.device_peak):>12}  of {fmt(usable)} usable")
+        print(f"  {'peak per device':<16}{fmt(pred.device_peak):>12}  of {fmt(usable)} usable (the sum of the "
+              "terms: an upper bound, as backward frees activations while gradients appear and the optimizer's "
+              "temporaries come after both)")
         host = fmt(pred.host + args.runtime_memory)
         print(f"  {'host per process':<16}{host:>12}  (runtime {fmt(args.runtime_memory)} included)"
               + (f"; NVMe {fmt(pred.nvme)}" if pred.nvme else ""))

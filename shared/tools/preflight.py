@@ -32,7 +32,11 @@ def _technique(resolved: dict) -> Technique | None:
         run = compat_run(t, "fp32", resolved["num_processes"])
         return (run.sharding, run.offload, t.offload_params) == launched
 
-    candidates = [t for t in TECHNIQUES if t.recipe == recipe and runs_as_launched(t)]
+    # recipes/zero.py and zero3_offload.py run one DeepSpeed engine: either models the other's launch (zero2_offload
+    # is zero.py's row, zero3_offload.py runs it too)
+    deepspeed = {"zero", "zero3_offload"}
+    candidates = [t for t in TECHNIQUES if (t.recipe == recipe or {t.recipe, recipe} <= deepspeed)
+                  and runs_as_launched(t)]
 
     def has_flags(t: Technique) -> bool:
         words, i = list(t.args), 0
