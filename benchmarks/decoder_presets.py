@@ -256,8 +256,9 @@ def saved_words(r: dict) -> str:
     sweep saved models) nothing, by --no_save_model."""
     if r["status"] != "trained":
         return ""
-    if "--no_save_model" in r["command"]:
-        return "not asked (--no_save_model, an older run)"
+    if "saved" not in r:  # run before the sweep reloaded what it saved
+        return ("not asked (--no_save_model, an older run)" if "--no_save_model" in r["command"]
+                else "not reloaded (an older run)")
     return {"model": "model, reloaded"}.get(r.get("saved"), r.get("saved") or "")
 
 
