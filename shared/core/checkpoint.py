@@ -54,7 +54,7 @@ DEPENDS = ("data_content", "mixed_precision", "sharding")  # what the state's by
 FREE = ("output_dir", "overwrite_output_dir", "checkpointing_steps", "save_total_limit", "resume_from_checkpoint",
         "async_checkpoint", "record_samples", "report_to", "logging_steps", "no_save_model", "preflight", "ddp_timeout",
         "dataloader_num_workers", "torch_compile", "per_device_eval_batch_size", "max_eval_samples",
-        "elastic_restarts", "trust_remote_code")
+        "elastic_restarts", "trust_remote_code", "debug", "generate")  # debug: tracebacks; generate: after training
 REQUIRED = FIXED + LAYOUT + DEPENDS  # a checkpoint that records none of one is unknown: refused, never trusted
 LINEAGE = "lineage.json"  # checkpoints/lineage.json: the run's branches, oldest first
 _data_seen: dict[tuple, str] = {}  # (path, size, mtime) -> its content's fingerprint, computed once per process
