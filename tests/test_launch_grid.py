@@ -143,7 +143,7 @@ WHAT = {"qwen2-tied": "Qwen2.5-style, tied head", "llama-tied": "Llama-3.2-1B-st
         "mistral": "Mistral-style: sliding window in every layer", "gpt-oss": "gpt-oss-style: sinks, sliding window"}
 
 
-def test_source(ref: str) -> str:
+def source_of_test(ref: str) -> str:
     """The source of tests/<file>::<function>, its decorators included."""
     file, name = ref.split("::")
     source = (ROOT / "tests" / file).read_text()
@@ -200,7 +200,7 @@ def test_cells_marked_working_are_run_by_their_test(tmp_path_factory):
     --no_save_model) and loaded back; and the start-up sweep lets the pair through."""
     verdicts = grid(tmp_path_factory)
     for (recipe, config), ref in RUN_BY_TESTS.items():
-        source = test_source(ref)
+        source = source_of_test(ref)
         named = f'"{config}"' in source or (config == "multi_cpu.yaml" and "config=" not in source)  # the default
         assert "launch(" in source and f'"{recipe}"' in source and named, (recipe, config, ref)
         assert "--no_save_model" not in source, (recipe, config, ref)
@@ -208,7 +208,7 @@ def test_cells_marked_working_are_run_by_their_test(tmp_path_factory):
             recipe, config, ref)
         assert verdicts[recipe, config] is None, (recipe, config, verdicts[recipe, config])
     for recipe, config, kind, ref in SHAPES:
-        source = test_source(ref)
+        source = source_of_test(ref)
         assert f'"{recipe}"' in source and f'"{config}"' in source or config == "multi_cpu.yaml", (recipe, ref)
         assert f'"{kind}"' in source and kind in WHAT, (recipe, kind, ref)
 

@@ -54,9 +54,6 @@ BAD_INPUTS = {
                                                                                              "exist",
     ("shared/techniques/deepspeed_setup.py", "resolve_deepspeed_config", "Conflicting settings"):
         "one setting given two values by the flags, the launch config and the JSON",
-    ("shared/techniques/deepspeed_setup.py", "resolve_deepspeed_config", "train_batch_size "): "a JSON's global batch "
-                                                                                               "that contradicts its "
-                                                                                               "own pieces",
     ("shared/techniques/deepspeed_setup.py", "resolve_deepspeed_config", "ZeRO stage "): "a ZeRO stage out of range",
     ("shared/techniques/deepspeed_setup.py", "resolve_deepspeed_config", " to nvme needs a directory"):
         "an NVMe offload without its path",

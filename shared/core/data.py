@@ -238,6 +238,8 @@ def _load_file(path: str):
     import datasets
 
     kind = file_kind(path)
+    if Path(path).stat().st_size < 1 << 20 and not Path(path).read_bytes().strip():  # datasets: a bare StopIteration
+        raise InputError(f"The data file {path} is empty. Pass a file with rows.")
     options = {"sep": csv_delimiter(path)} if kind == "csv" else {}
     try:
         ds = datasets.load_dataset(kind, data_files={"train": path}, split="train", **options)

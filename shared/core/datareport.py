@@ -11,6 +11,8 @@ import logging
 from collections import Counter
 from pathlib import Path
 
+from .args import DECODER_TASKS
+
 logger = logging.getLogger("recipes")
 FILE = "data_report.json"
 
@@ -26,7 +28,7 @@ def build_report(task, args, source: str) -> dict:
     id2label = getattr(task.model.config, "id2label", None) or {}
     splits = {"train": task.train_dataloader.dataset, "validation": task.eval_dataloader.dataset}
     report["examples"] = {name: len(ds) for name, ds in splits.items()}
-    if task.name != "causal-lm":
+    if task.name not in DECODER_TASKS:  # (a decoder's targets are its tokens: no label set)
         # Transformers' default names (LABEL_0 ...) stand for labels that were 0..K-1 in the data: shown as those.
         names = {int(i): str(n) if str(n) != f"LABEL_{i}" else str(i) for i, n in id2label.items()}
         report["label_to_id"] = {names.get(i, str(i)): i for i in sorted(names)} if names else {}
@@ -53,7 +55,7 @@ def _render(task, ds) -> dict:
     if task.tokenizer is not None and "input_ids" in item:
         ids = list(item["input_ids"])
         shown = {"tokens": task.tokenizer.convert_ids_to_tokens(ids[:48]), "length": len(ids)}
-        if task.name != "causal-lm":
+        if task.name not in DECODER_TASKS:
             shown["label_id"] = int(item["labels"])
         return shown
     pixels = item["pixel_values"]
