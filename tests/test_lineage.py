@@ -5,7 +5,6 @@ after the end); the signals of a closed terminal (SIGHUP) and of Slurm's warning
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 
@@ -13,6 +12,7 @@ import pytest
 
 from shared.core import checkpoint
 from tests.conftest import load_params, max_param_diff, run_recipe
+from tests.test_run_lifecycle import _signal_after_step  # a real signal as a step ends
 
 EIGHT = ["--max_train_steps", 8, "--checkpointing_steps", 2, "--max_train_samples", 64, "--max_eval_samples", 16,
          "--logging_steps", 1]
@@ -32,19 +32,6 @@ def _killed_after_save(monkeypatch, step: int) -> None:
         return path
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_die)
-
-
-def _signal_after_step(monkeypatch, step: int, signum: int) -> None:
-    from shared.core.meter import Meter
-
-    record = Meter.record
-
-    def record_then_signal(self, at, loss, batches):
-        record(self, at, loss, batches)
-        if at + 1 == step:
-            os.kill(os.getpid(), signum)
-
-    monkeypatch.setattr(Meter, "record", record_then_signal)
 
 
 def _branches(out) -> dict[str, int]:
