@@ -122,6 +122,20 @@ def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 
 @pytest.fixture(autouse=True)
+def _library_log_streams():
+    """datasets' and transformers' own log handlers keep the sys.stderr of the test that first imported them, which
+    pytest closes after that test: a later record (datasets' "Failed to read file") then printed a "--- Logging
+    error ---" traceback into another test's output. Each test's handlers write to its own stderr."""
+    import logging
+
+    for name in ("datasets", "transformers"):
+        for handler in logging.getLogger(name).handlers:
+            if type(handler) is logging.StreamHandler:
+                handler.stream = sys.stderr  # not setStream: it flushes the old, closed stream
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _threads():
     # Tests on 2 cores: keep in-process runs from fighting with launched subprocesses.
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

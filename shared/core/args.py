@@ -332,6 +332,22 @@ def parse_args(
                 "learning rate would never reach --learning_rate. Lower --num_warmup_steps.")
     # INFO on the main process from here on: where the launch config's and a DeepSpeed JSON's settings came from is
     # logged before the Accelerator exists.
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
+    if not logging.root.handlers:
+        handler = _StderrNow()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.root.addHandler(handler)
+        logging.root.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
     return args  # as typed: values resolved from it (the learning rate, the output dir, ...) are the Launch's
+
+
+class _StderrNow(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each record: a notebook or a test harness that swaps sys.stderr between runs
+    in one process would otherwise leave the handler on a closed stream ("--- Logging error ---" tracebacks)."""
+
+    @property
+    def stream(self):  # noqa: D102
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
