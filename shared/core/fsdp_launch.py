@@ -68,7 +68,7 @@ def launch_fsdp_settings(env: Mapping[str, str] = os.environ) -> dict[str, tuple
         raise LaunchError(f"fsdp_reshard_after_forward: {reshard.lower()} in the launch config: write true (full "
                           "shard) or false (parameters stay gathered between forward and backward, like ZeRO-2).")
     if strategy != "FULL_SHARD":  # FSDP1's key, which Accelerate ignores under FSDP2: said as FSDP2 says it
-        if reshard != "TRUE" and _RESHARD.get(reshard, reshard == "TRUE") != _RESHARD[strategy]:
+        if reshard != "TRUE" and settings["reshard_after_forward"][0] != _RESHARD[strategy]:  # "true": the default
             raise LaunchError(f"fsdp_sharding_strategy: {strategy} and fsdp_reshard_after_forward: {reshard.lower()} "
                               "in the launch config disagree. Keep fsdp_reshard_after_forward (FSDP2's key) only.")
         settings["reshard_after_forward"] = (_RESHARD[strategy], _FROM.format(f"sharding_strategy: {strategy}"))
@@ -104,10 +104,10 @@ def fsdp_plugin_kwargs(args: object, **recipe: object) -> dict[str, object]:
     flags = {"cpu_offload": "--cpu_offload"}
     for name, (value, source) in launch_fsdp_settings().items():
         flag = flags.get(name)
-        if flag and flag.lstrip("-") in getattr(args, "explicit_flags", set()) and recipe.get(name) != value:
-            raise LaunchError(f"{flag} {recipe.get(name)} and {source} ({value}) disagree. Set it in one place.")
         if not (flag and flag.lstrip("-") in getattr(args, "explicit_flags", set())):
             chosen[name] = (value, source)
+        elif recipe.get(name) != value:
+            raise LaunchError(f"{flag} {recipe.get(name)} and {source} ({value}) disagree. Set it in one place.")
     if os.environ.get("RANK", "0") == "0":
         logger.info("FSDP settings: %s", "; ".join(f"{k}={v} (from {s})" for k, (v, s) in chosen.items()))
     return {name: value for name, (value, _) in chosen.items()}

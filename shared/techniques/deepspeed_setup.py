@@ -286,22 +286,23 @@ def _check_global_batch(config: dict, chosen: dict, json_file: str | None) -> No
         return
     world = int(os.environ.get("WORLD_SIZE", "1"))
     micro, accumulation = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
+    if stated == micro * accumulation * world:
+        return
     for key, other in (("train_micro_batch_size_per_gpu", accumulation), ("gradient_accumulation_steps", micro)):
-        if chosen[key][1].startswith("the default") and stated % (other * world) == 0 and stated != micro * \
-                accumulation * world:
+        if chosen[key][1].startswith("the default") and stated % (other * world) == 0:
             config[key] = stated // (other * world)
             chosen[key] = (config[key], f"train_batch_size {stated} in the DeepSpeed JSON {json_file}")
             return
-    if stated != micro * accumulation * world:
-        keep = [f"--per_device_train_batch_size {stated // (accumulation * world)}"] if stated % (
-            accumulation * world) == 0 else []
-        keep += [f"--gradient_accumulation_steps {stated // (micro * world)}"] if stated % (micro * world) == 0 else []
-        raise LaunchError(f"train_batch_size {stated} in the DeepSpeed JSON {json_file} != micro-batch {micro} x "
-                          f"accumulation {accumulation} x {world} processes = {micro * accumulation * world}. To keep "
-                          f"the global batch of {stated}: " + (" or ".join(keep) if keep else
-                                                              "a micro-batch and accumulation whose product with the "
-                                                              f"{world} processes is {stated}") +
-                          "; or set train_batch_size to \"auto\".")
+    # Both set, or neither divides: the refusal names the values that keep the global batch.
+    keep = [f"--per_device_train_batch_size {stated // (accumulation * world)}"] if stated % (
+        accumulation * world) == 0 else []
+    keep += [f"--gradient_accumulation_steps {stated // (micro * world)}"] if stated % (micro * world) == 0 else []
+    raise LaunchError(f"train_batch_size {stated} in the DeepSpeed JSON {json_file} != micro-batch {micro} x "
+                      f"accumulation {accumulation} x {world} processes = {micro * accumulation * world}. To keep "
+                      f"the global batch of {stated}: " + (" or ".join(keep) if keep else
+                                                          "a micro-batch and accumulation whose product with the "
+                                                          f"{world} processes is {stated}") +
+                      "; or set train_batch_size to \"auto\".")
 
 
 def _refuse_what_the_loop_cannot_run(config: dict, chosen: dict, json_file: str | None) -> None:
