@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from shared.tools.cp import VENDORED, copy_recipe
 from tests.test_copy_out import SMALL, _env, _outside
 
@@ -32,18 +34,21 @@ def class_weight_count(labels, kept):
     return torch.tensor([1.0, 3.0], device=labels.device)[labels].sum()
 '''
 IMPORTS = "import torch  # noqa: E402\nimport torch.nn.functional as F  # noqa: E402\n"
+SCHEDULE_CALL = "    optimizer, scheduler = optimizer_and_scheduler(launch, task.model, max_steps)\n"
+SCHEDULE = "    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=2 * max_steps)  # my own\n"
 
 
 def _core(dest: Path) -> dict[str, bytes]:
     return {p.relative_to(dest).as_posix(): p.read_bytes() for p in sorted((dest / VENDORED).rglob("*.py"))}
 
 
-def _edit(dest: Path, hook_lines: str) -> None:
+def _edit(dest: Path, hook_lines: str, after: str = CALL) -> None:
     recipe = dest / "baseline.py"
     text = recipe.read_text()
-    assert CALL in text
-    text = text.replace("\n\n@entrypoint", IMPORTS + F1 + "\n\n@entrypoint", 1)
-    recipe.write_text(text.replace(CALL, CALL + hook_lines, 1))
+    assert after in text
+    if F1 not in text:
+        text = text.replace("\n\n@entrypoint", IMPORTS + F1 + "\n\n@entrypoint", 1)
+    recipe.write_text(text.replace(after, after + hook_lines, 1))
 
 
 def _run(dest: Path, *extra: str) -> dict:
@@ -53,15 +58,24 @@ def _run(dest: Path, *extra: str) -> dict:
     return json.loads((dest / "out" / "results.json").read_text())
 
 
-def test_a_metric_and_a_loss_are_edits_of_the_copied_recipe_alone(tmp_path):
+def test_a_metric_a_loss_and_a_schedule_are_edits_of_the_copied_recipe_alone(tmp_path):
+    """And results.json names the schedule the loop stepped (the user's cosine), not --lr_scheduler_type's linear
+    (issue 37); the unedited copy's run below records the flag's linear schedule."""
     dest = _outside(tmp_path)
     copy_recipe("baseline", dest)
     fresh = _core(dest)
     _edit(dest, "    task.compute_metrics = f1\n"
                 "    task.loss_fn, task.count_fn = class_weighted_loss, class_weight_count\n")
+    _edit(dest, SCHEDULE, after=SCHEDULE_CALL)
     results = _run(dest)
     assert 0.0 <= results["eval_f1"] <= 1.0 and "eval_accuracy" not in results
     assert math.isfinite(results["eval_loss"])  # the user's loss, evaluated
+    assert results["lr_scheduler"]["stepped"] == "CosineAnnealingLR", results["lr_scheduler"]
+    assert results["lr_scheduler"]["from"] == "the recipe's own scheduler"
+    assert results["lr_scheduler"]["flag_not_applied"] == "--lr_scheduler_type linear"
+    assert "linear" not in results["lr_scheduler"]["stepped"] + results["lr_scheduler"]["from"]
+    # 2 steps of a 4-step half wave: half the peak rate (the flag's linear schedule would end at 0)
+    assert results["lr_scheduler"]["final_lr"] == pytest.approx(results["learning_rate"] / 2)
     assert _core(dest) == fresh  # zero lines edited outside the copied recipe file
 
 
@@ -74,6 +88,9 @@ def test_data_in_another_format_needs_only_flags(tmp_path):
     (dest / "reviews.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     results = _run(dest, "--train_file", "reviews.jsonl", "--text_column", "review", "--label_column", "stars")
     assert 0.0 <= results["eval_accuracy"] <= 1.0
+    # no edit of the schedule: the one --lr_scheduler_type built (its default, linear), stepped to its end
+    assert results["lr_scheduler"] == {"stepped": "LambdaLR(_get_linear_schedule_with_warmup_lr_lambda)",
+                                       "from": "--lr_scheduler_type linear", "final_lr": 0.0}
     assert _core(dest) == fresh
 
 
@@ -84,7 +101,6 @@ def _task(name: str = "text-classification"):
 
 
 def test_the_pipeline_trains_with_the_users_loss_and_the_others_refuse_it_with_the_reason():
-    import pytest
     import torch
 
     from shared.core.errors import InputError

@@ -177,6 +177,7 @@ def test_zero1_accumulation_from_the_accelerate_config(tmp_path):
     assert r["gradient_accumulation_steps"] == 4 == r["deepspeed_gradient_accumulation_steps"]
     assert "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" in r["deepspeed_settings_from"]["gradient_accumulation_steps"]
     assert steps["lr"] == sorted(steps["lr"], reverse=True) and len(set(steps["lr"])) == 3
+    assert r["lr_scheduler"]["from"] == "--lr_scheduler_type linear", r["lr_scheduler"]  # the recipe's, under ZeRO
 
 
 def test_zero2_json_runs_its_own_optimizer_and_scheduler(tmp_path):
@@ -187,6 +188,8 @@ def test_zero2_json_runs_its_own_optimizer_and_scheduler(tmp_path):
     r, steps = counted(config, "zero", tmp_path / "out")
     assert steps["engine_steps"] == 3 and r["deepspeed_gradient_accumulation_steps"] == 2
     assert r["deepspeed_optimizer"] == "AdamW" and r["deepspeed_scheduler"] == "WarmupDecayLR"
+    assert r["lr_scheduler"]["stepped"] == "WarmupDecayLR", r["lr_scheduler"]  # what results.json says was stepped
+    assert r["lr_scheduler"]["from"] == "the DeepSpeed JSON's scheduler block"
     assert "DeepSpeed JSON" in r["deepspeed_settings_from"]["gradient_accumulation_steps"]
     assert steps["lr"][0] == 0  # WarmupDecayLR starts at warmup_min_lr: the JSON's schedule, not the recipe's
 

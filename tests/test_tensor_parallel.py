@@ -119,6 +119,8 @@ def test_llama_splits_by_its_own_plan_like_one_process(tmp_path_factory):
     assert set(LlamaConfig.base_model_tp_plan) <= {k.removeprefix("model.") for k in r["tp_plan"]}
     assert r["initial_loss"] == pytest.approx(ref["initial_loss"], rel=1e-6)
     assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+    # the schedule the loop stepped, kept apart from Accelerate (checkpoint_dtensors): the flag's, as in one process
+    assert r["lr_scheduler"] == ref["lr_scheduler"] and r["lr_scheduler"]["from"].startswith("--lr_scheduler_type")
     params = load_params(ref_dir)
     diff = max_param_diff(params, load_params(tp_dir))
     print(f"tiny-llama: max |param(2-process TP, own plan) - param(1 process)| after 6 steps = {diff:.2e}")

@@ -67,6 +67,9 @@ def _default_fix(what: str, flag: str | None) -> str:
         return "Pass a checkpoint directory (<output_dir>/checkpoints/step_N) or 'latest'."
     if what == "image":
         return "Remove or replace the file (save it again as PNG or JPEG)."
+    if what == "DeepSpeed JSON":
+        return ("Pass a JSON file of DeepSpeed settings, e.g. accelerate_configs/ds_config_zero3_auto.json (JSON "
+                "allows no comments or trailing commas: python -m json.tool FILE shows where it breaks).")
     return "Fix or replace the file; csv, tsv, json/jsonl (also .gz), parquet and txt are read."
 
 
@@ -88,10 +91,10 @@ def diagnose(what: str, path: str | None) -> tuple[str, str]:
         return ("it is a file, and a folder is expected",
                 f"Pass the folder that holds it: {str(p.parent)!r}." if (p.parent / "config.json").exists()
                 or what == "checkpoint" else "Pass a folder.")
-    if p.is_dir() and not wants_folder and what in ("data file",):
-        files = sorted(x.name for x in p.iterdir() if x.is_file())[:5]
+    if p.is_dir() and what in ("data file", "DeepSpeed JSON"):
+        files = sorted(x.name for x in p.iterdir() if x.is_file() and (what == "data file" or x.suffix == ".json"))[:5]
         return "it is a folder, and a file is expected", (f"Pass one of its files ({files})." if files
-                                                          else "Pass a data file.")
+                                                          else f"Pass a {what}.")
     if p.is_dir():
         return _folder_kind(p, what)
     return "", ""

@@ -57,6 +57,7 @@ def collect_results(accelerator, launch: Launch, task, meter, metrics: dict, ext
     from .checkpoint import lineage, resume_changes
     from .flops import run_flops
     from .meter import log_metrics
+    from .optim import stepped_schedule
 
     args = launch.args
 
@@ -79,6 +80,7 @@ def collect_results(accelerator, launch: Launch, task, meter, metrics: dict, ext
         "gradient_accumulation_steps": launch.gradient_accumulation_steps,
         "per_device_train_batch_size": launch.per_device_train_batch_size,
         "learning_rate": launch.learning_rate,
+        "lr_scheduler": stepped_schedule(accelerator, args),  # the scheduler the loop stepped, not the flag alone
         "flags": {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
                   for k, v in sorted(vars(args).items()) if k != "explicit_flags"},  # as parsed, defaults too
         "explicit_flags": sorted(getattr(args, "explicit_flags", ())),  # what was typed

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.boundary import loading
 from ..core.errors import LaunchError
 from ..core.measure import state_bytes
 
@@ -193,10 +194,12 @@ def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> d
         raise LaunchError(f"Two DeepSpeed JSONs: --deepspeed_config {args.deepspeed_config} and "
                           f"{os.environ['ACCELERATE_DEEPSPEED_CONFIG_FILE']} from {_YAML}. Keep one.")
     user_json: dict = {}
-    if json_file:
-        if not Path(json_file).is_file():
-            raise LaunchError(f"DeepSpeed JSON {json_file!r} does not exist. Pass an existing file.")
-        user_json = json.loads(Path(json_file).read_text())
+    if json_file:  # a missing file, a folder, malformed JSON: an InputError naming the file and the fix
+        flag = "--deepspeed_config" if args.deepspeed_config else "deepspeed_config_file (the accelerate config)"
+        with loading("DeepSpeed JSON", flag, json_file):
+            user_json = json.loads(Path(json_file).read_text())
+            if not isinstance(user_json, dict):
+                raise ValueError(f"it holds a {type(user_json).__name__}, not an object of settings")
     config = copy.deepcopy(user_json or recipe_config)
     explicit = getattr(args, "explicit_flags", set())
 
@@ -340,9 +343,8 @@ def json_optimizer_and_scheduler(ds_config: dict, launch: object, model: torch.n
     --num_warmup_steps, the step count). Without this Accelerate refuses the JSON ("You cannot specify an optimizer
     in the config file and in the code")."""
     from accelerate.utils import DummyOptim, DummyScheduler
-    from transformers import get_scheduler
 
-    from ..core.optim import optimizer_and_scheduler
+    from ..core.optim import flag_schedule, optimizer_and_scheduler
 
     optimizer, scheduler = optimizer_and_scheduler(launch, model, max_steps)
     if "optimizer" not in ds_config and "scheduler" not in ds_config:
@@ -358,8 +360,7 @@ def json_optimizer_and_scheduler(ds_config: dict, launch: object, model: torch.n
         scheduler = DummyScheduler(optimizer, total_num_steps=max_steps * int(os.environ.get("WORLD_SIZE", "1")),
                                    warmup_num_steps=args.num_warmup_steps)
     elif isinstance(optimizer, DummyOptim):  # the JSON's optimizer with the recipe's schedule, built on it
-        scheduler = DummyScheduler(optimizer, lr_scheduler_callable=lambda opt: get_scheduler(
-            args.lr_scheduler_type, opt, num_warmup_steps=args.num_warmup_steps, num_training_steps=max_steps))
+        scheduler = DummyScheduler(optimizer, lr_scheduler_callable=lambda opt: flag_schedule(args, opt, max_steps))
     return optimizer, scheduler
 
 
@@ -450,7 +451,7 @@ def deepspeed_summary(accelerator, model: torch.nn.Module) -> dict[str, object]:
         "deepspeed_fp16": model.fp16_enabled(),
         # The JSON's optimizer and scheduler where it has them (json_optimizer_and_scheduler), else the recipe's.
         "deepspeed_optimizer": (config.get("optimizer") or {}).get("type", "the recipe's AdamW"),
-        "deepspeed_scheduler": (config.get("scheduler") or {}).get("type", "the recipe's --lr_scheduler_type"),
+        "deepspeed_scheduler": (config.get("scheduler") or {}).get("type", "the recipe's (lr_scheduler says which)"),
         "deepspeed_settings_from": config.get(SOURCES, {}),
     }
 

@@ -22,6 +22,7 @@ from ..core.checkpoint import STAGE_FILES
 from ..core.errors import InputError, LaunchError
 from ..core.losses import summed_loss as summed_loss  # the last stage's loss_fn: the spine's own
 from ..core.models import SLIDING, attention_features, layer_attention_types, transformer_layers
+from ..core.optim import kept_apart
 from ..core.rules import Rule
 
 
@@ -441,6 +442,8 @@ def checkpoint_per_process(accelerator, model: nn.Module, optimizer: torch.optim
     and restores each process's RNG states, and save_checkpoint's manifest covers the rank directories.
     """
     from safetensors.torch import load_model, save_model
+
+    kept_apart(accelerator, scheduler)  # the schedule results.json names, where none was prepared
 
     def save_hook(_models: list, _weights: list, output_dir: str) -> None:
         own = Path(output_dir) / f"rank_{accelerator.process_index:05d}"

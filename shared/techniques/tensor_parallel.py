@@ -22,6 +22,7 @@ from ..core import rules
 from ..core.checkpoint import STAGE_FILES
 from ..core.errors import LaunchError
 from ..core.models import attention_features, transformer_layers
+from ..core.optim import kept_apart
 from ..core.rules import Rule, unsplit
 
 # model_type -> {module inside each block: "colwise" | "rowwise"}; the pairs are (qkv -> out) and (up -> down).
@@ -292,6 +293,8 @@ def checkpoint_dtensors(accelerator, model: nn.Module, optimizer: torch.optim.Op
     Accelerate still saves and restores each process's RNG states; save_checkpoint's manifest covers dcp/."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    kept_apart(accelerator, scheduler)  # the schedule results.json names (not prepared)
 
     def save_hook(_models: list, _weights: list, output_dir: str) -> None:
         model_state, optim_state = get_state_dict(model, optimizer)
