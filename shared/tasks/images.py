@@ -187,3 +187,17 @@ class ImageDataset(torch.utils.data.Dataset):
         x = torch.from_numpy(np.array(img)).permute(2, 0, 1).float() / 255.0  # np.array: a writable copy
         return {"pixel_values": (x - self.mean) / self.std, "labels": torch.tensor(self.labels[i])}
 
+    def report_example(self, i: int) -> dict:
+        """Image i as the data report shows it (shared/core/datareport.py): the tensor the model receives, and the
+        file it came from."""
+        item = self[i]
+        pixels, img = item["pixel_values"], self.images[i]
+        if isinstance(img, str):
+            from PIL import Image
+
+            with Image.open(img) as pil:
+                source = f"{img} ({pil.mode}, {pil.size[0]}x{pil.size[1]}) -> RGB"
+        else:
+            source = f"array {getattr(img, 'shape', '?')}"
+        return {"pixel_values": list(pixels.shape), "dtype": str(pixels.dtype).replace("torch.", ""),
+                "mean": round(float(pixels.mean()), 4), "label_id": int(item["labels"]), "source": source}
