@@ -1,7 +1,7 @@
 """Today's attention variants through the recipes that change how attention runs: sliding windows (Mistral, Gemma 2/3,
 gpt-oss), soft caps (Gemma 2: attention scores and final logits) and attention sinks (gpt-oss). Each is carried, giving
 what one process gives on the unpacked sequence, or refused by the rule table naming the feature. The features are
-read from the config (shared/core/models.py attention_features), so a family not named here is handled alike.
+read from the config (shared/core/attention.py attention_features), so a family not named here is handled alike.
 Per-document packing's test is tests/test_data.py test_per_document_logits_equal_each_document_alone."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
+from shared.core.attention import attention_features
 from shared.core.errors import RecipeError
-from shared.core.models import attention_features
 from tests.conftest import launch, run_recipe
 from tests.parallel_runs import COMMON
 from tests.shipped_models import WINDOW, config_of, make_dir

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _csv(tmp: Path, rows: int = 40) -> Path:
-    from shared.core.data import sentiment_dataset
+    from shared.tasks.text_classification import sentiment_dataset
 
     d = sentiment_dataset(rows, seed=1)
     path = tmp / "train.csv"
@@ -967,7 +967,7 @@ def test_16_bit_images_are_scaled_not_clipped(tmp_path):
     255 instead, so the model sees the 16-bit image exactly as its 8-bit twin, whatever the mix in one folder."""
     from PIL import Image
 
-    from shared.core.data import ImageDataset, image_folder
+    from shared.tasks.images import ImageDataset, image_folder
 
     folder = image_folder(str(_grey_folder(tmp_path, {"a": 16, "b": 8})))
     assert Image.open(folder["image"][0]).mode == "I;16"
@@ -979,9 +979,9 @@ def test_16_bit_images_are_scaled_not_clipped(tmp_path):
     assert (sixteen >= 0.999).float().mean() < 0.01, "saturated"  # (x - 0.5) / 0.5: 1.0 is white
     assert sixteen.std() > 0.2
     assert (sixteen - eight).abs().max() < 1e-6  # the same scene, the same pixels
-    from shared.core import datacheck
+    from shared.tasks import images
 
-    datacheck.check_images(folder["image"], "training")  # and the 16-bit files pass the check that decodes them
+    images.check_images(folder["image"], "training")  # and the 16-bit files pass the check that decodes them
 
 
 def test_the_image_size_limit_is_pils_and_raising_it_works(tmp_path, monkeypatch):
@@ -989,14 +989,14 @@ def test_the_image_size_limit_is_pils_and_raising_it_works(tmp_path, monkeypatch
     through. A low limit stands in for the 195-megapixel file."""
     from PIL import Image
 
-    from shared.core import datacheck
+    from shared.tasks import images
 
     path = str(_image_file(tmp_path / "big.png", "whole"))  # 64 x 64 = 4096 pixels
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # PIL refuses above twice the limit
     with pytest.raises(RecipeError, match="big.png: Image size .4096 pixels. exceeds limit.*MAX_IMAGE_PIXELS"):
-        datacheck.check_images([path], "training")
+        images.check_images([path], "training")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5000)
-    datacheck.check_images([path], "training")
+    images.check_images([path], "training")
 
 
 def test_the_data_fixes_work_when_followed(tmp_path):

@@ -32,7 +32,7 @@ def _vit_dir(tmp: Path) -> Path:
     """A tiny ViT classifier with its image processor, as save_pretrained writes them."""
     from transformers import ViTConfig, ViTForImageClassification
 
-    from shared.core.data import image_processor
+    from shared.tasks.images import image_processor
 
     path = tmp / "vit"
     ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,

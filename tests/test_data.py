@@ -13,7 +13,8 @@ import torch
 from shared.core import data
 from shared.core.args import PACKING
 from shared.core.tasks import Task
-from shared.tasks import causal_lm, packing
+from shared.tasks import causal_lm, images, packing
+from shared.tasks import text_classification as reviews
 from tests.conftest import load_params, max_param_diff, run_recipe
 
 VOCAB = "the cat dog ran to a red blue house and field one two three fox owl river road garden".split()
@@ -27,8 +28,8 @@ def review_pairs_dataset(n: int, seed: int) -> dict[str, list]:
     first, second, labels = [], [], []
     for _ in range(n):
         polarities = [rng.randint(0, 1) for _ in range(3)]
-        clauses = [f"{rng.choice(data._FILLER)} {rng.choice(data._NOUNS)} was "
-                   f"{rng.choice(data._POSITIVE if p else data._NEGATIVE)}" for p in polarities]
+        clauses = [f"{rng.choice(reviews._FILLER)} {rng.choice(reviews._NOUNS)} was "
+                   f"{rng.choice(reviews._POSITIVE if p else reviews._NEGATIVE)}" for p in polarities]
         cut = rng.randint(1, 2)
         first.append(" and ".join(clauses[:cut]))
         second.append(" and ".join(clauses[cut:]))
@@ -278,12 +279,12 @@ def test_image_pipeline_loads_the_output_directory(tmp_path):
     run_recipe("baseline", out, "--task", "image-classification", "--max_train_steps", 2)
     classify = pipeline("image-classification", model=str(out), device="cpu")
     config = json.loads((out / "config.json").read_text())
-    image = Image.fromarray(data.pattern_images(1, seed=3, image_size=48)["image"][0])  # not the model's size
+    image = Image.fromarray(images.pattern_images(1, seed=3, image_size=48)["image"][0])  # not the model's size
     preds = classify(image, top_k=4)
     assert {p["label"] for p in preds} == set(config["id2label"].values())
     assert sum(p["score"] for p in preds) == pytest.approx(1.0, abs=1e-4)
     # The saved processor prepares an image exactly as training did.
-    ds = data.ImageDataset([image], [0], config["image_size"], [0.5] * 3, [0.5] * 3)
+    ds = images.ImageDataset([image], [0], config["image_size"], [0.5] * 3, [0.5] * 3)
     served = classify.image_processor(image, return_tensors="pt")["pixel_values"][0]
     assert (served - ds[0]["pixel_values"]).abs().max().item() <= 1e-5
 

@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from shared.core.data import sentiment_dataset, story_dataset
+from shared.tasks.causal_lm import story_dataset
+from shared.tasks.text_classification import sentiment_dataset
 from tests.conftest import run_recipe
 
 FAST = ["--max_train_steps", 2, "--no_save_model"]

@@ -1,96 +1,31 @@
-"""Data for the three families: built-in offline datasets, local files and folders, hub datasets, tokenizers."""
+"""Data every task reads: local files, hub datasets, tokenizers; the built-in data and image folders are the task
+modules' (shared/tasks/)."""
 
 from __future__ import annotations
 
 import argparse
-import random
+import importlib
 from collections.abc import Iterator
 from pathlib import Path
-
-import numpy as np
-import torch
 
 from . import datacheck
 from .boundary import diagnose, loading
 from .errors import InputError
 
-# ---------------------------------------------------------------- built-in offline datasets (deterministic)
-_POSITIVE = "great excellent superb wonderful delightful brilliant enjoyable charming moving fresh clever".split()
-_NEGATIVE = "awful terrible boring dull dreadful poor painful mediocre bland clumsy tedious weak".split()
-_NOUNS = "movie film plot acting script cast ending story music pacing dialogue camera".split()
-_FILLER = "the a this that really quite very somewhat rather honestly overall frankly".split()
-_ANIMALS = "cat dog bird fox horse mouse owl wolf".split()
-_COLORS = "red green blue black white brown".split()
-_PLACES = "garden house forest river field road".split()
-_NUMBERS = "one two three four five six seven eight nine ten".split()
-
-
-def sentiment_dataset(n: int, seed: int) -> dict[str, list]:
-    """Short reviews; the label is the polarity held by most of the sentiment words (0 negative, 1 positive)."""
-    rng = random.Random(seed)
-    texts, labels = [], []
-    for _ in range(n):
-        label = rng.randint(0, 1)
-        major, minor = (_POSITIVE, _NEGATIVE) if label else (_NEGATIVE, _POSITIVE)
-        words = [rng.choice(major) for _ in range(rng.randint(2, 3))]
-        words += [rng.choice(minor) for _ in range(rng.randint(0, 1))]
-        rng.shuffle(words)
-        clauses = [f"{rng.choice(_FILLER)} {rng.choice(_NOUNS)} was {rng.choice(_FILLER)} {w}" for w in words]
-        texts.append(" and ".join(clauses))
-        labels.append(label)
-    return {"text": texts, "label": labels}
-
-
-def story_dataset(n: int, seed: int) -> dict[str, list]:
-    """Lines of 1 to 4 templated sentences and counting runs: a causal LM's perplexity falls far below chance."""
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n):
-        sentences = []
-        for _ in range(rng.randint(1, 4)):
-            if rng.random() < 0.3:
-                start = rng.randint(0, 5)
-                sentences.append(" ".join(_NUMBERS[start:start + rng.randint(3, 5)]) + " .")
-            else:
-                sentences.append(f"the {rng.choice(_COLORS)} {rng.choice(_ANIMALS)} ran to the {rng.choice(_PLACES)} .")
-        lines.append(" ".join(sentences))
-    return {"text": lines}
-
-
-def pattern_images(n: int, seed: int, image_size: int) -> dict[str, list]:
-    """uint8 RGB images of 4 classes (horizontal, vertical, checkerboard, diagonal stripes), random colours, noise."""
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:image_size, 0:image_size]
-    images, labels = [], []
-    for _ in range(n):
-        label = int(rng.integers(4))
-        period = int(rng.choice([2, 4])) * max(1, image_size // 32)
-        y, x = (yy + int(rng.integers(period))) // period, (xx + int(rng.integers(period))) // period
-        d = (yy + xx + int(rng.integers(period))) // period
-        mask = [y, x, y + x, d][label] % 2
-        fg, bg = rng.integers(140, 256, 3), rng.integers(0, 110, 3)  # light stripes on a dark ground
-        img = np.where(mask[..., None] == 1, fg, bg) + rng.normal(0, 20, (image_size, image_size, 3))
-        images.append(np.clip(img, 0, 255).astype(np.uint8))
-        labels.append(label)
-    return {"image": images, "label": labels}
-
-
+# ---------------------------------------------------------------- built-in offline data (deterministic)
 BUILTIN_SIZES = {"train": 2000, "validation": 400}
 
 
 def builtin_split(task: str, split: str) -> dict[str, list]:
-    """The built-in data: 2000 training and 400 validation examples, the same on every machine."""
+    """The built-in data: 2000 training and 400 validation examples, the same on every machine. Each task module
+    makes its own (builtin_data in shared/tasks/<task>.py), loaded by name: a copy carries its task's alone."""
     n, seed = BUILTIN_SIZES[split], {"train": 1, "validation": 2}[split]
-    if task == "text-classification":
-        return sentiment_dataset(n, seed)
-    if task == "causal-lm":
-        return story_dataset(n, seed)
-    return pattern_images(n, seed, image_size=32)  # resized to the model's size on the fly
+    package = __package__.rsplit(".", 1)[0]  # shared, or recipe_core in a copy
+    return importlib.import_module(f"{package}.tasks.{task.replace('-', '_')}").builtin_data(n, seed)
 
 
 # ---------------------------------------------------------------- user data: files, folders, hub
 _TEXT_GUESSES = ("text", "sentence", "content", "review", "document")
-_IMAGE_GUESSES = ("image", "img", "pixel_values", "picture")
 _LABEL_GUESSES = ("label", "labels", "class", "target")
 _FILE_TYPES = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
                ".txt": "text"}
@@ -164,18 +99,12 @@ def check_paths(args: argparse.Namespace) -> None:
 
 
 def load_raw_splits(args: argparse.Namespace) -> tuple[object, object, str]:
-    """Train and validation splits (HF Datasets, or dicts of lists for the built-in data and image folders) and where
-    they came from; validation is None when the source has none (hold_out makes one)."""
+    """Train and validation splits (HF Datasets, or dicts of lists for the built-in data) and where they came from;
+    validation is None when the source has none (hold_out makes one). Image folders: shared/tasks/images.py."""
     import datasets
 
     SKIPPED.clear()
-    if args.train_dir:
-        with loading("image folder", "--train_dir", args.train_dir):
-            train = image_folder(args.train_dir)
-        with loading("image folder", "--validation_dir", args.validation_dir):
-            val = image_folder(args.validation_dir, classes=train["classes"]) if args.validation_dir else None
-        source = f"image folder {args.train_dir}"
-    elif args.train_file:
+    if args.train_file:
         with loading("data file", "--train_file", args.train_file):
             train = _load_file(args.train_file)
         with loading("data file", "--validation_file", args.validation_file):
@@ -225,9 +154,6 @@ def hold_out(train: object, val: object | None, source: str) -> tuple[object, ob
     after the row checks, so that a refusal's row numbers are the file's own."""
     if val is not None:
         return train, val
-    if isinstance(train, dict):  # image folder
-        datacheck.check_can_hold_out(len(train["label"]), source)
-        return _split_dict(train)
     datacheck.check_can_hold_out(len(train), source)
     parts = train.train_test_split(test_size=0.1, seed=0)
     return parts["train"], parts["test"]
@@ -273,61 +199,7 @@ def _no_rows(path: str, kind: str) -> bool:
         return False
 
 
-def _split_dict(d: dict[str, list]) -> tuple[dict, dict]:
-    n = len(d["label"])
-    order = random.Random(0).sample(range(n), n)
-    cut = max(1, n // 10)
-    pick = lambda idx: {"image": [d["image"][i] for i in idx], "label": [d["label"][i] for i in idx],  # noqa: E731
-                        "classes": d["classes"]}
-    return pick(order[cut:]), pick(order[:cut])
-
-
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-_JUNK = ("Thumbs.db", "desktop.ini")  # what file managers leave beside images
 SKIPPED: list[str] = []  # what the last load_raw_splits left out, and why: the data report shows it
-
-
-def image_folder(root: str, classes: list[str] | None = None) -> dict[str, list]:
-    """Paths and labels from root/<class>/<image>; classes sorted by name, as torchvision's ImageFolder does.
-    Hidden folders (.ipynb_checkpoints) are not classes; a subfolder inside a class, or a file of a type no loader
-    reads, is refused: its images would be skipped without a word."""
-    root_path = Path(root)
-    if not root_path.is_dir():
-        raise InputError(f"{root!r} is a file; an image folder is expected ({root_path.parent}/<class>/<image>). "
-                         "Pass the folder that holds the class subfolders.")
-    entries = sorted(root_path.iterdir())
-    found = [p.name for p in entries if p.is_dir() and not p.name.startswith(".")]
-    SKIPPED.extend(f"{p} (hidden folder, not a class)" for p in entries if p.is_dir() and p.name.startswith("."))
-    SKIPPED.extend(f"{p} (a file beside the class folders)" for p in entries if p.is_file())
-    if not found:
-        raise InputError(f"{root!r} holds no class subfolders. Lay images out as {root}/<class_name>/<image>.png.")
-    classes = classes or found
-    unknown = set(found) - set(classes)
-    if unknown:
-        raise InputError(f"{root!r} has classes {sorted(unknown)} that the training folder lacks.")
-    paths, labels, nested, other = [], [], [], []
-    for label, name in enumerate(classes):
-        for p in sorted((root_path / name).glob("*")):
-            if p.name.startswith(".") or p.name in _JUNK:
-                SKIPPED.append(f"{p} (hidden or file-manager file)")
-            elif p.is_dir():
-                nested.append(p)
-            elif p.suffix.lower() in IMAGE_SUFFIXES:
-                paths.append(str(p))
-                labels.append(label)
-            else:
-                other.append(p)
-    if nested:
-        raise InputError(f"{root!r}: class folders hold subfolders ({', '.join(map(str, nested[:5]))}), whose images "
-                         "would not train. Move their images up into the class folder, or, if the subfolders are "
-                         f"the classes, pass --train_dir {str(nested[0].parent)!r}.")
-    if other:
-        raise InputError(f"{root!r}: {len(other)} file(s) of a type no loader reads would be skipped "
-                         f"({', '.join(map(str, other[:5]))}). Convert them to {', '.join(IMAGE_SUFFIXES[:3])} ..., or "
-                         "move them out of the class folders.")
-    if not paths:
-        raise InputError(f"{root!r} holds no images ({', '.join(s.lstrip('.') for s in IMAGE_SUFFIXES)}).")
-    return {"image": paths, "label": labels, "classes": classes}
 
 
 def pick_column(columns: list[str], wanted: str | None, guesses: tuple[str, ...], what: str, flag: str) -> str:
@@ -380,52 +252,6 @@ def build_word_tokenizer(texts: list[str], task: str, vocab_size: int = 8000):
         inputs["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
     tok.post_processor = template
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS, **inputs)
-
-
-# ---------------------------------------------------------------- images to tensors
-RESAMPLE = 3  # PIL's BICUBIC (Image.resize's default): the dataset and the saved image processor resize alike
-
-
-def image_processor(size: int, mean: list[float], std: list[float]):
-    """A ViT image processor that does what ImageDataset does: resize to size x size, scale to [0, 1], normalize."""
-    import importlib.util
-
-    import transformers
-
-    # Transformers 5 builds ViTImageProcessor on torchvision; the PIL one is the same processing without it.
-    cls = (transformers.ViTImageProcessor if importlib.util.find_spec("torchvision")
-           else transformers.ViTImageProcessorPil)
-    return cls(do_resize=True, size={"height": size, "width": size}, resample=RESAMPLE, do_rescale=True,
-               rescale_factor=1 / 255, do_normalize=True, image_mean=mean, image_std=std)
-
-
-class ImageDataset(torch.utils.data.Dataset):
-    """uint8 arrays or image paths -> normalized pixel_values at the model's size."""
-
-    def __init__(self, images: list, labels: list[int], image_size: int, mean: list[float], std: list[float]):
-        self.images, self.labels, self.size = images, labels, image_size
-        self.mean = torch.tensor(mean).view(3, 1, 1)
-        self.std = torch.tensor(std).view(3, 1, 1)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        img = self.images[i]
-        if not isinstance(img, np.ndarray):
-            from PIL import Image
-
-            with loading("image", None, img if isinstance(img, str) else "an image of the dataset"):
-                pil = img if isinstance(img, Image.Image) else Image.open(img)
-                if pil.mode.startswith("I;16"):  # 16-bit grey: convert("RGB") clips at 255 (nearly all white)
-                    pil = Image.fromarray((np.asarray(pil) / 257).round().astype(np.uint8))  # 65535 -> 255
-                img = np.asarray(pil.convert("RGB").resize((self.size, self.size), RESAMPLE))
-        elif img.shape[0] != self.size:
-            from PIL import Image
-
-            img = np.asarray(Image.fromarray(img).resize((self.size, self.size), RESAMPLE))
-        x = torch.from_numpy(np.array(img)).permute(2, 0, 1).float() / 255.0  # np.array: a writable copy
-        return {"pixel_values": (x - self.mean) / self.std, "labels": torch.tensor(self.labels[i])}
 
 
 # ---------------------------------------------------------------- iterating

@@ -1,5 +1,6 @@
 """What the data holds, checked before the first step: files that parse, columns that agree, texts that are text,
-a label set a classifier can learn, images that open. Each refusal names the file, row or line, and the fix."""
+a label set a classifier can learn (images that open: shared/tasks/images.py). Each refusal names the file, row or
+line, and the fix."""
 
 from __future__ import annotations
 
@@ -208,36 +209,6 @@ def _key(v: object) -> object:
 def label_index(mapping: dict) -> object:
     """value -> class index, for label_set's mapping ({}: the values are the indices)."""
     return (lambda v: mapping[_key(v)]) if mapping else int
-
-
-# ---------------------------------------------------------------- images
-def check_images(paths: list, split: str) -> None:
-    """Every image file decodes: a truncated one (an interrupted copy) opens and verifies, then crashes evaluation.
-    All are decoded, as a sample would miss the one bad file; JPEGs in draft mode (scaled, yet every byte read)."""
-    from PIL import Image
-
-    broken, odd = [], []
-    for path in paths:
-        if not isinstance(path, str):  # already decoded (a hub dataset's Image feature, the built-in arrays)
-            continue
-        try:
-            with Image.open(path) as image:
-                image.draft("RGB", (64, 64))
-                image.load()
-                if image.mode in ("I", "F"):  # 32-bit: convert("RGB") clips every value above 255 to white
-                    odd.append(f"{path} (mode {image.mode})")
-        except Image.DecompressionBombError as err:  # PIL's guard: kept, and the user decides
-            raise InputError(f"{path}: {err} Resize it (the model sees a few hundred pixels a side), or, trusting "
-                             "the file, raise the limit before main(): PIL.Image.MAX_IMAGE_PIXELS = <pixels>.") from err
-        except Exception as err:  # noqa: BLE001 (the loading boundary: whatever PIL raises on a file)
-            broken.append(f"{path} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
-    if odd:
-        raise InputError(f"{len(odd)} {split} image(s) hold 32-bit integer or float pixels ({', '.join(odd[:_SHOWN])})"
-                         ": read as RGB every value above 255 would be white. Save them as 8- or 16-bit PNG "
-                         "(scaled to their range).")
-    if broken:
-        raise InputError(f"{len(broken)} {split} image(s) do not open or decode: {', '.join(broken[:_SHOWN])}. "
-                         "Remove or replace them (a truncated file is often an interrupted copy: copy it again).")
 
 
 def check_held_out(train: object, val: object | None, columns: list) -> None:  # the same file, a copy, or a subset

@@ -50,28 +50,16 @@ def _counts(ds, names: dict[int, str]) -> dict[str, int]:
 
 
 def _render(task, ds) -> dict:
-    """The first example as the model receives it: its tokens (the first 48), or the image's tensor shape."""
+    """The first example as the model receives it: its tokens (the first 48), or what an image dataset shows of it
+    (shared/tasks/images.py ImageDataset.report_example)."""
+    if hasattr(ds, "report_example"):
+        return ds.report_example(0)
     item = ds[0]
-    if task.tokenizer is not None and "input_ids" in item:
-        ids = list(item["input_ids"])
-        shown = {"tokens": task.tokenizer.convert_ids_to_tokens(ids[:48]), "length": len(ids)}
-        if task.name not in DECODER_TASKS:
-            shown["label_id"] = int(item["labels"])
-        return shown
-    pixels = item["pixel_values"]
-    return {"pixel_values": list(pixels.shape), "dtype": str(pixels.dtype).replace("torch.", ""),
-            "mean": round(float(pixels.mean()), 4), "label_id": int(item["labels"]),
-            "source": _image_source(ds, 0)}
-
-
-def _image_source(ds, i: int) -> str:
-    img = ds.images[i]
-    if isinstance(img, str):
-        from PIL import Image
-
-        with Image.open(img) as pil:
-            return f"{img} ({pil.mode}, {pil.size[0]}x{pil.size[1]}) -> RGB"
-    return f"array {getattr(img, 'shape', '?')}"
+    ids = list(item["input_ids"])
+    shown = {"tokens": task.tokenizer.convert_ids_to_tokens(ids[:48]), "length": len(ids)}
+    if task.name not in DECODER_TASKS:
+        shown["label_id"] = int(item["labels"])
+    return shown
 
 
 def emit(report: dict, accelerator, output_dir: str) -> None:

@@ -13,6 +13,8 @@ import torch  # noqa: F401  (for a loss_fn or compute_metrics of your own below)
 from ..core import data, datacheck, models
 from ..core.errors import InputError
 from ..core.tasks import Task, dataloaders, given_splits, limit
+from . import images
+from .images import load_raw_splits  # noqa: F401  (image folders; load_task reads it here)
 
 # Your own loss: def loss_fn(logits, labels, kept) -> the batch's summed loss, which the loop divides by the
 # global batch's items (`kept`: the columns load_task(keep_columns=) kept). None: the task's summed cross-entropy
@@ -27,21 +29,27 @@ loss_fn = None
 compute_metrics = None
 
 
+def builtin_data(n: int, seed: int) -> dict[str, list]:
+    """The built-in data (data.builtin_split): striped 32x32 images, resized to the model's size on the fly."""
+    return images.pattern_images(n, seed, image_size=32)
+
+
+
 def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int], keep: tuple[str, ...] = ()
           ) -> Task:
     cols = [c for c in data.column_names(train_raw) if c != "classes"]
-    image_col = data.pick_column(cols, args.image_column, data._IMAGE_GUESSES, "image", "image_column")
+    image_col = data.pick_column(cols, args.image_column, images.IMAGE_GUESSES, "image", "image_column")
     label_col = data.pick_column(cols, args.label_column, data._LABEL_GUESSES, "label", "label_column")
     datacheck.check_roles({"image": image_col, "label": label_col})
     for split, ds in given_splits(train_raw, val_raw):
         datacheck.check_label_values(list(ds[label_col]), label_col, split)
     if args.train_dir or args.train_file:  # image paths (the built-in and hub images are decoded arrays)
         datacheck.check_held_out(train_raw, val_raw, [image_col])
-    train_raw, val_raw = data.hold_out(train_raw, val_raw, source)
+    train_raw, val_raw = images.hold_out(train_raw, val_raw, source)
     train_raw, val_raw = limit(train_raw, args.max_train_samples), limit(val_raw, args.max_eval_samples)
     train_labels, val_labels = list(train_raw[label_col]), list(val_raw[label_col])
-    datacheck.check_images(list(train_raw[image_col]), "training")
-    datacheck.check_images(list(val_raw[image_col]), "validation")
+    images.check_images(list(train_raw[image_col]), "training")
+    images.check_images(list(val_raw[image_col]), "validation")
     classes, mapping = datacheck.label_set(train_labels, val_labels, label_col)
     folder_names = train_raw.get("classes") if isinstance(train_raw, dict) else None
     names = [folder_names[int(c)] for c in classes] if folder_names else (classes if mapping else None)
@@ -59,17 +67,17 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     if getattr(config, "num_channels", 3) != 3:  # every image is converted to RGB: 3 channels reach the model
         raise InputError(f"{models.model_source(args)!r} takes {config.num_channels}-channel images, and the images "
                          "are read as RGB (3 channels). Pass a model of 3 input channels, or change ImageDataset in "
-                         "shared/core/data.py to read your channels.")
+                         "shared/tasks/images.py to read your channels.")
     # Saved beside the weights, so that pipeline("image-classification", model=output_dir) prepares an image as
     # training did: the same size, resampling and normalization.
-    processor = processor or data.image_processor(size, [0.5] * 3, [0.5] * 3)
+    processor = processor or images.image_processor(size, [0.5] * 3, [0.5] * 3)
     mean, std = list(processor.image_mean), list(processor.image_std)
     if len(mean) != 3 or len(std) != 3:  # a grey model's processor: its normalization would not fit RGB images
         raise InputError(f"The image processor of {models.model_source(args)!r} normalizes {len(mean)} channel(s) "
                          f"(image_mean {mean}), and the images are read as RGB (3). Pass a model whose "
                          "preprocessor_config.json has 3 means and stds, or fix that file.")
-    train_ds = data.ImageDataset(list(train_raw[image_col]), [to_id(v) for v in train_labels], size, mean, std)
-    val_ds = data.ImageDataset(list(val_raw[image_col]), [to_id(v) for v in val_labels], size, mean, std)
+    train_ds = images.ImageDataset(list(train_raw[image_col]), [to_id(v) for v in train_labels], size, mean, std)
+    val_ds = images.ImageDataset(list(val_raw[image_col]), [to_id(v) for v in val_labels], size, mean, std)
     model = models.build_model(args, config)
     train_dl, eval_dl = dataloaders(args, accelerator, train_ds, val_ds, None, batches)
     return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, processor=processor,

@@ -149,7 +149,7 @@ def per_document_inputs(inputs: dict, attn_implementation: str, config=None) -> 
     inputs = dict(inputs)
     mask = inputs.pop("attention_mask", None)
     if attn_implementation in ("sdpa", "eager"):
-        from ..core.models import SLIDING, layer_attention_types
+        from ..core.attention import SLIDING, layer_attention_types
 
         kinds = set(layer_attention_types(config)) if config is not None else {"full_attention"}
         if kinds - {SLIDING, "full_attention"}:  # chunked or linear attention: a document mask of its own kind

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import random
+
 import torch  # noqa: F401  (for a loss_fn or compute_metrics of your own below)
 
 from ..core import data, datacheck, datastats, models
@@ -24,6 +26,32 @@ loss_fn = None
 # from every process; each name is reported as eval_<name> (results.json, the trackers). None: eval_accuracy.
 # docs/adapting_a_copy.md: F1.
 compute_metrics = None
+
+
+# The built-in data (data.builtin_split): short reviews whose label is their polarity.
+_POSITIVE = "great excellent superb wonderful delightful brilliant enjoyable charming moving fresh clever".split()
+_NEGATIVE = "awful terrible boring dull dreadful poor painful mediocre bland clumsy tedious weak".split()
+_NOUNS = "movie film plot acting script cast ending story music pacing dialogue camera".split()
+_FILLER = "the a this that really quite very somewhat rather honestly overall frankly".split()
+
+
+def sentiment_dataset(n: int, seed: int) -> dict[str, list]:
+    """Short reviews; the label is the polarity held by most of the sentiment words (0 negative, 1 positive)."""
+    rng = random.Random(seed)
+    texts, labels = [], []
+    for _ in range(n):
+        label = rng.randint(0, 1)
+        major, minor = (_POSITIVE, _NEGATIVE) if label else (_NEGATIVE, _POSITIVE)
+        words = [rng.choice(major) for _ in range(rng.randint(2, 3))]
+        words += [rng.choice(minor) for _ in range(rng.randint(0, 1))]
+        rng.shuffle(words)
+        clauses = [f"{rng.choice(_FILLER)} {rng.choice(_NOUNS)} was {rng.choice(_FILLER)} {w}" for w in words]
+        texts.append(" and ".join(clauses))
+        labels.append(label)
+    return {"text": texts, "label": labels}
+
+
+builtin_data = sentiment_dataset
 
 
 def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int], keep: tuple[str, ...] = ()

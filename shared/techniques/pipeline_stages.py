@@ -18,10 +18,11 @@ from torch import nn
 
 from ..core import rules
 from ..core.args import DECODER_TASKS
+from ..core.attention import SLIDING, attention_features, layer_attention_types
 from ..core.checkpoint import STAGE_FILES
 from ..core.errors import InputError, LaunchError
 from ..core.losses import summed_loss as summed_loss  # the last stage's loss_fn: the spine's own
-from ..core.models import SLIDING, attention_features, layer_attention_types, transformer_layers
+from ..core.models import transformer_layers
 from ..core.optim import kept_apart
 from ..core.rules import Rule
 

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from ..core import rules
+from ..core.attention import attention_features
 from ..core.checkpoint import STAGE_FILES
 from ..core.errors import LaunchError
-from ..core.models import attention_features, transformer_layers
+from ..core.models import transformer_layers
 from ..core.optim import kept_apart
 from ..core.rules import Rule, unsplit
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from ..core import rules
+from ..core.attention import attention_features
 from ..core.losses import IGNORE, shift_labels, summed_cross_entropy
-from ..core.models import attention_features
 from ..core.rules import RECIPES, Rule, unsplit
 
 # attention_features the local attention keeps (each per query, key or head); others (chunked or linear-attention

@@ -22,7 +22,7 @@ START, END = "<!-- data-report -->", "<!-- /data-report -->"
 
 def _user_file(tmp: Path) -> Path:
     """A ';'-separated CSV as Excel writes it in many locales, string labels, one blank line."""
-    from shared.core.data import sentiment_dataset
+    from shared.tasks.text_classification import sentiment_dataset
 
     d = sentiment_dataset(60, seed=7)
     rows = "".join(f"{t};{'pos' if y else 'neg'}\n" for t, y in zip(d["text"], d["label"], strict=True))
