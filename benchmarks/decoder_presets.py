@@ -252,13 +252,9 @@ def machine() -> str:
 
 
 def saved_words(r: dict) -> str:
-    """What a trained cell saved: a model from_pretrained reloaded, the recipe's own form, or (a cell run before the
-    sweep saved models) nothing, by --no_save_model."""
+    """What a trained cell saved: a model from_pretrained reloaded, or the recipe's own form."""
     if r["status"] != "trained":
         return ""
-    if "saved" not in r:  # run before the sweep reloaded what it saved
-        return ("not asked (--no_save_model, an older run)" if "--no_save_model" in r["command"]
-                else "not reloaded (an older run)")
     return {"model": "model, reloaded"}.get(r.get("saved"), r.get("saved") or "")
 
 
