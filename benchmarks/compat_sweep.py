@@ -3,11 +3,11 @@ base, DoRA on NF4, the chunked loss) x activation checkpointing x precision, eac
 through recipes/combined.py; and torchao's 8-bit, 4-bit and FP8 AdamW, through recipes/optim_low_bit.py, under every
 sharding + offload row.
 
-    python benchmarks/compat_sweep.py              # 249 combinations, ~100 min on 2 CPU cores (see default_cells)
+    python benchmarks/compat_sweep.py              # 269 combinations, ~115 min on 2 CPU cores (see default_cells)
     python benchmarks/compat_sweep.py --all        # all 612
     python benchmarks/compat_sweep.py --quick      # one cell per outcome, for the tests
     python benchmarks/compat_sweep.py --only zero3 --only lora
-    python benchmarks/compat_sweep.py --model_preset tiny-llama --only zero3    # those cells on Llama (or tiny-moe)
+    python benchmarks/compat_sweep.py --model_preset tiny-qwen2 --only zero3    # those cells on a decoder preset
 
 Each cell ends as one of
   works    trained 2 steps, and did what was asked: 2 processes, the sharding and offload asked for, the precision
@@ -76,6 +76,12 @@ QUICK = [  # cells of the default sweep: a combination that works, and two that 
     ("zero2", "cpu", "8bit-optim", True, "fp32"),
     ("fsdp", "none", "int8+lora", True, "fp32"),
 ]
+# The decoder presets: the model_type each must train, and the mixtures of experts, whose router's load-balancing
+# loss must be in the loss (also benchmarks/decoder_presets.py's). The last three are shaped as checkpoints ship:
+# stored in bf16, a tied head (qwen2), router logits off (qwen3-moe), a sliding window (mistral).
+PRESET_OF = {"tiny-llama": "llama", "tiny-moe": "mixtral", "tiny-qwen2": "qwen2", "tiny-qwen3-moe": "qwen3_moe",
+             "tiny-mistral": "mistral"}
+MOE = ("tiny-moe", "tiny-qwen3-moe")
 
 
 def bf16_storage_lifts_a_rule(sharding: str, weights: str) -> bool:
@@ -93,7 +99,7 @@ class Cell:
     weights: str
     checkpointing: bool
     precision: str
-    preset: str = "tiny"  # --model_preset: tiny (GPT-2), or a decoder preset (tiny-llama, tiny-moe)
+    preset: str = "tiny"  # --model_preset: tiny (GPT-2), or a decoder preset (PRESET_OF)
 
     @property
     def name(self) -> str:
@@ -133,8 +139,10 @@ def default_cells() -> list[Cell]:
     Every sharding + offload row x every weights variant, with checkpointing, in fp32 and bf16; without checkpointing
     for full weights and LoRA in fp32; fp16 where it can run on CPU (DDP, FSDP) and one fp16 cell per ZeRO row (the
     DeepSpeed CPU refusal comes before anything else is set up). ZeRO-1/2 + NVMe is refused before any other check:
-    one cell each. The decoder presets: tiny-llama with full weights, LoRA and NF4 + LoRA, tiny-moe with full weights,
-    under every sharding (no offload), with checkpointing.
+    one cell each. The decoder presets, under every sharding (no offload), with checkpointing: tiny-llama with full
+    weights, LoRA and NF4 + LoRA, tiny-moe with full weights; and the presets shaped as checkpoints ship: tiny-qwen2
+    (tied head) with full weights and LoRA, tiny-qwen3-moe (router logits off) and tiny-mistral (sliding window) with
+    full weights. These cells save their model, and the sweep reloads it (from_pretrained, a tied head tied again).
     """
     cells = []
     for sharding, (_, offloads) in SHARDING.items():
@@ -159,6 +167,10 @@ def default_cells() -> list[Cell]:
         cells += [Cell(sharding, "none", weights, True, precision, "tiny-llama")
                   for weights, precision in (("full", "fp32"), ("lora", "bf16"), ("nf4+lora", "bf16"))]
         cells.append(Cell(sharding, "none", "full", True, "bf16", "tiny-moe"))
+        cells += [Cell(sharding, "none", "full", True, "bf16", "tiny-qwen2"),
+                  Cell(sharding, "none", "lora", True, "bf16", "tiny-qwen2"),
+                  Cell(sharding, "none", "full", True, "bf16", "tiny-qwen3-moe"),
+                  Cell(sharding, "none", "full", True, "bf16", "tiny-mistral")]
     return cells
 
 
@@ -192,8 +204,10 @@ def run_cell(cell: Cell, out: Path, timeout: int) -> dict:
     """Launch the cell; classify how it ended. Returns the row for the table."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = cell.command(out, probe=True)
+    # A decoder preset's cell saves its model as a user's run does, and reloads it below; the grid's cells do not.
+    run_args = RUN_ARGS if cell.preset == "tiny" else [a for a in RUN_ARGS if a != "--no_save_model"]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *cmd[2:],
-           *RUN_ARGS, "--overwrite_output_dir", "--output_dir", str(out)]
+           *run_args, "--overwrite_output_dir", "--output_dir", str(out)]
     log, code, seconds = launch_logged(cmd, out, timeout)
     row = {**asdict(cell), "name": cell.name, "command": " ".join(cell.command()), "wall_s": round(seconds, 1)}
     results = out / "results.json"
@@ -202,6 +216,11 @@ def run_cell(cell: Cell, out: Path, timeout: int) -> dict:
     if code == 0 and results.exists():
         r = json.loads(results.read_text())
         problems = what_went_wrong(cell, r)
+        if cell.preset != "tiny":
+            from benchmarks.decoder_presets import reload_saved  # (it imports this module)
+
+            row["saved"], problem = reload_saved("causal-lm", out)
+            problems += [problem] if problem else []
         row.update(status="broken" if problems else "works", detail="; ".join(problems) or None,
                    train_loss=r.get("train_loss"), compute_dtype=r.get("compute_dtype"),
                    peak_memory_bytes=max(r.get("peak_memory_bytes") or [0]),
@@ -243,9 +262,9 @@ def what_went_wrong(cell: Cell, r: dict) -> list[str]:
         problems.append("LoRA but most parameters train")
     if cell.weights == "nf4+dora" and not r.get("use_dora"):
         problems.append("DoRA asked for, LoRA trained")
-    if cell.preset != "tiny" and r.get("model_type") != {"tiny-llama": "llama", "tiny-moe": "mixtral"}[cell.preset]:
+    if cell.preset != "tiny" and r.get("model_type") != PRESET_OF[cell.preset]:
         problems.append(f"trained a {r.get('model_type')} model, not {cell.preset}")
-    if cell.preset == "tiny-moe" and r.get("router_aux_loss") is None:
+    if cell.preset in MOE and r.get("router_aux_loss") is None:
         problems.append("no router load-balancing loss in the mixture of experts' loss")
     if cell.weights == "chunked-loss" and not r.get("loss_chunks"):
         problems.append("no chunked loss in the run")
@@ -360,7 +379,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--output_dir", default=str(ROOT / "docs" / "results"))
     ap.add_argument("--work_dir", default=None, help="Run outputs; default: <output_dir>/compat_runs (not committed).")
     ap.add_argument("--timeout", type=int, default=300, help="Seconds before a cell counts as hung.")
-    ap.add_argument("--model_preset", default=None, choices=("tiny", "tiny-llama", "tiny-moe"),
+    ap.add_argument("--model_preset", default=None, choices=("tiny", *PRESET_OF),
                     help="Run the chosen cells on this model instead of each cell's own (tiny GPT-2 unless named).")
     ap.add_argument("--update", action="store_true",
                     help="Replace only the cells run now in the existing compat.json (after a fix).")

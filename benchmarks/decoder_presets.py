@@ -36,16 +36,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compat_sweep import launch_logged  # noqa: E402  (the cell runner both sweeps share)
+from benchmarks.compat_sweep import MOE, PRESET_OF, launch_logged  # noqa: E402  (what both sweeps share)
 from shared.core import rules  # noqa: E402
 
 # Not run here: recipes being reworked now, whose own tests train the decoder presets.
 SKIPPED = {"expert_parallel": "tests/test_expert_parallel.py trains tiny-moe",
            "tensor_parallel": "tests/test_tensor_parallel.py trains tiny-llama",
            "pipeline_parallel": "its stages are being reworked (interleaved schedules)"}
-PRESET_OF = {"tiny-llama": "llama", "tiny-moe": "mixtral", "tiny-qwen2": "qwen2", "tiny-qwen3-moe": "qwen3_moe",
-             "tiny-mistral": "mistral"}
-MOE = ("tiny-moe", "tiny-qwen3-moe")  # the router's load-balancing loss must be in what they train on
 # The presets shaped as checkpoints ship (bf16 storage, a tied head, router logits off, a sliding window) as causal
 # LMs; the classifier of the tied one (its head is a new score layer, the tie is the embedding's alone).
 CELLS = [("causal-lm", "tiny-llama"), ("causal-lm", "tiny-moe"), ("text-classification", "tiny-llama"),
@@ -132,7 +129,7 @@ def run_cell(cell: Cell, work: Path, timeout: int) -> dict:
     if code == 0 and (out / "results.json").exists():
         r = json.loads((out / "results.json").read_text())
         problems = what_went_wrong(cell, r)
-        saved, problem = reload_saved(cell, out)
+        saved, problem = reload_saved(cell.task, out)
         problems += [problem] if problem else []
         row.update(saved=saved, status="crashed" if problems else "trained", detail="; ".join(problems) or None,
                    train_loss=r.get("train_loss"), model_type=r.get("model_type"),
@@ -179,7 +176,7 @@ def what_went_wrong(cell: Cell, r: dict) -> list[str]:
     return problems
 
 
-def reload_saved(cell: Cell, out: Path) -> tuple[str | None, str | None]:
+def reload_saved(task: str, out: Path) -> tuple[str | None, str | None]:
     """(what the run saved, a problem or None): a whole model that from_pretrained loads with every weight found
     (and a tied head tied again), or the recipe's own form (an adapter, a quantized model)."""
     if (out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists():
@@ -187,7 +184,7 @@ def reload_saved(cell: Cell, out: Path) -> tuple[str | None, str | None]:
 
         from shared.core.models import _AUTO_CLASS_NAMES
 
-        auto = getattr(transformers, _AUTO_CLASS_NAMES[cell.task])
+        auto = getattr(transformers, _AUTO_CLASS_NAMES[task])
         try:
             model, info = auto.from_pretrained(out, output_loading_info=True)
         except Exception as err:  # noqa: BLE001  (what failed is the cell's detail)
@@ -252,13 +249,9 @@ def machine() -> str:
 
 
 def saved_words(r: dict) -> str:
-    """What a trained cell saved: a model from_pretrained reloaded, the recipe's own form, or (a cell run before the
-    sweep saved models) nothing, by --no_save_model."""
+    """What a trained cell saved: a model from_pretrained reloaded, or the recipe's own form."""
     if r["status"] != "trained":
         return ""
-    if "saved" not in r:  # run before the sweep reloaded what it saved
-        return ("not asked (--no_save_model, an older run)" if "--no_save_model" in r["command"]
-                else "not reloaded (an older run)")
     return {"model": "model, reloaded"}.get(r.get("saved"), r.get("saved") or "")
 
 

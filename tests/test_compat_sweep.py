@@ -32,6 +32,15 @@ def test_committed_matrix_has_no_broken_cell_and_every_refusal_names_a_fix():
     print(f"{len(works)} work, {len(rows) - len(works)} refused, of {len(rows)}")
     assert len(works) >= len(rows) // 2  # most combinations train
     assert {r["sharding"] for r in works} == {"ddp", "zero1", "zero2", "zero3", "fsdp"}
+    # The decoder presets, the shipped-shape ones (bf16 storage, a tied head, router logits off, a sliding window)
+    # among them, under every sharding; each cell saved its model and the sweep loaded it back (decoder_presets.py's
+    # reload_saved: from_pretrained with every weight found, a tied head tied again; or an adapter).
+    presets = [r for r in rows if r.get("preset", "tiny") != "tiny"]
+    assert {r["preset"] for r in presets} == {"tiny-llama", "tiny-moe", "tiny-qwen2", "tiny-qwen3-moe", "tiny-mistral"}
+    for name in ("tiny-qwen2", "tiny-qwen3-moe", "tiny-mistral"):
+        assert {r["sharding"] for r in presets if r["preset"] == name} == {"ddp", "zero1", "zero2", "zero3", "fsdp"}
+    for r in presets:
+        assert r["saved"] == ("adapter" if "lora" in r["weights"] else "model"), r["name"]
 
 
 @pytest.mark.slow

@@ -44,10 +44,8 @@ def test_every_causal_lm_recipe_trains_the_decoder_presets_or_the_rule_table_ref
         elif r["recipe"] != "ptq":  # trained the model asked for; a mixture of experts with its router's loss
             assert r["model_type"] == decoder_presets.PRESET_OF[r["preset"]], r["name"]
             assert (r["router_aux_loss"] is not None) == (r["preset"] in decoder_presets.MOE), r["name"]
-        if r["status"] == "trained" and ("saved" in r or r["preset"] in ("tiny-qwen2", "tiny-qwen3-moe",
-                                                                          "tiny-mistral")):
-            # the model saved as a user's run saves it, and loaded back whole (the shipped-shape presets' cells all;
-            # the older cells, run before the sweep reloaded models, say so in the table)
+        if r["status"] == "trained":  # every cell saved its model as a user's run does, and it loaded back whole
+            assert "--no_save_model" not in r["command"], r["name"]
             assert r["saved"] in ("model", "adapter", "quantized model"), r["name"]
     assert sum(r["status"] == "trained" for r in rows) >= len(rows) // 2
 
