@@ -31,6 +31,7 @@ from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.tasks import load_task
+from shared.techniques import fsdp_launch  # noqa: F401  (an FSDP launch: its settings checked, FSDP2 on CPU)
 from shared.techniques.activation_offload import MIN_BYTES, ActivationOffloader
 
 RECIPE = "activation_offloading"
@@ -62,7 +63,7 @@ def main(argv=None) -> dict:
         log_with=launch.log_with,
         project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
-        fsdp_plugin=launch.fsdp_plugin,  # an FSDP launch config's settings, checked (shared/core/fsdp_launch.py)
+        fsdp_plugin=launch.fsdp_plugin,  # an FSDP launch config's settings, checked (shared/techniques/fsdp_launch.py)
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(launch, accelerator)

@@ -28,6 +28,7 @@ from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.rules import sharding_of
 from shared.core.tasks import load_task
+from shared.techniques import fsdp_launch  # noqa: F401  (an FSDP launch: its settings checked, FSDP2 on CPU)
 from shared.techniques.chunked_loss import ChunkedLoss
 from shared.techniques.deepspeed_setup import (
     add_deepspeed_args,

@@ -34,6 +34,7 @@ from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.tasks import load_task
+from shared.techniques import fsdp_launch  # noqa: F401  (an FSDP launch: its settings checked, FSDP2 on CPU)
 from shared.techniques.deepspeed_setup import gathered_parameters
 from shared.techniques.quant import (
     COMPUTE_DTYPES,
