@@ -32,7 +32,7 @@ from shared.core.models import AUTO_CLASSES, HEAD_NAMES
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
-from shared.core.rules import offload_of, sharding_of
+from shared.core.rules import SHARDINGS, Support, offload_of, sharding_of
 from shared.core.tasks import load_task
 from shared.techniques import fsdp_launch  # noqa: F401  (an FSDP launch: its settings checked, FSDP2 on CPU)
 from shared.techniques.activation_offload import ActivationOffloader
@@ -61,6 +61,8 @@ from shared.techniques.quant import (
 from shared.techniques.selective_checkpointing import checkpoint_kwargs
 
 RECIPE = "combined"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+SUPPORT = Support(shardings=SHARDINGS)
 
 
 def add_args(p):
@@ -103,8 +105,9 @@ def main(argv=None) -> dict:
                                  zero3_init_flag=zero3_init(ds_config) and args.load_in == "full")
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(
-        args, RECIPE, deepspeed_config=ds_config, load_in=args.load_in, quant_storage=args.bnb_4bit_quant_storage,
-        lora=args.lora, dora=args.use_dora, optimizer=args.optim, in_backward=args.optimizer_in_backward,
+        args, RECIPE, SUPPORT, deepspeed_config=ds_config, load_in=args.load_in,
+        quant_storage=args.bnb_4bit_quant_storage, lora=args.lora, dora=args.use_dora, optimizer=args.optim,
+        in_backward=args.optimizer_in_backward,
         checkpointing=args.gradient_checkpointing, checkpoint_policy=args.checkpointing_policy,
         chunked_loss=args.chunked_loss, task=args.task,  # only a causal LM has vocabulary logits to chunk
         activation_offload=args.activation_offloading or "",

@@ -30,12 +30,16 @@ from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques.async_checkpoint import async_checkpoints
 from shared.techniques.fsdp_launch import fsdp_plugin_kwargs, launch_fsdp_settings
 from shared.techniques.hsdp import hsdp_report, parallelism_config
 
 RECIPE = "fsdp"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+SUPPORT = Support(shardings=("fsdp",), min_processes=2, instead="accelerate_configs/fsdp.yaml or fsdp_offload.yaml "
+                  "(hsdp.yaml: HSDP)", async_checkpoint=True, reshards=True)  # SHARDED_STATE_DICT: DCP reshards
 
 
 def add_args(p):
@@ -62,8 +66,8 @@ def main(argv=None) -> dict:
         cpu_offload=args.cpu_offload,               # None: fsdp_offload_params from the accelerate config
     ))
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, fsdp_plugin=fsdp_plugin, dp_replicate_size=args.dp_replicate_size or 0,
-                            dp_shard_size=args.dp_shard_size or 0)
+    launch = resolve_launch(args, RECIPE, SUPPORT, fsdp_plugin=fsdp_plugin,
+                            dp_replicate_size=args.dp_replicate_size or 0, dp_shard_size=args.dp_shard_size or 0)
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(

@@ -491,12 +491,12 @@ def _check_requirements_of(recipe: str, tmp_path: Path) -> dict[str, str]:
 
 
 def test_every_multi_process_recipe_gets_the_cpu_config_and_says_what_each_line_starts(tmp_path):
-    from shared.core.rules import RECIPES
+    from shared.tools.catalogue import recipes_support
 
     for recipe in recipe_names():
         c = plan_copy(ROOT / "recipes" / f"{recipe}.py", tmp_path / recipe)
         readme = c.files["README.md"][0].decode()
-        support = RECIPES[recipe]
+        support = recipes_support()[recipe]
         multi = support.max_processes != 1 and support.shardings != ("none",)
         assert ("accelerate_configs/multi_cpu.yaml" in c.configs) == (multi and support.min_processes <= 2), recipe
         for cfg in c.configs:  # each launch line says how many processes it starts

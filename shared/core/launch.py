@@ -182,9 +182,13 @@ class Launch:
         return {name: getattr(self, name) for name in names}
 
 
+_PLAIN_LOOP = rules.Support()  # one process or DDP: what a loop of one's own runs under
+
+
 def resolve_launch(
     args: argparse.Namespace,
     recipe: str,
+    support: rules.Support = _PLAIN_LOOP,
     *,
     deepspeed_config: dict | None = None,
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
@@ -195,10 +199,12 @@ def resolve_launch(
     reads the flags, the environment and the disk, and changes none of them (the recipe then calls claim_output_dir
     and configure_process).
 
-    `args` is left as typed: the resolved values are the returned Launch's. `deepspeed_config` / `fsdp_plugin`: the
-    sharding the recipe itself sets up (a DeepSpeed config from deepspeed_setup.resolve_deepspeed_config, whose
-    agreed precision, batch, accumulation and clipping the run then uses). `asks`: the recipe's techniques as
-    `rules.Run` fields, with `flags` saying how the recipe spells them, so a refusal names the user's own flags.
+    `support`: what the recipe runs under (its SUPPORT); the default, a plain loop's (one process or DDP), serves a
+    loop of one's own. `args` is left as typed: the resolved values are the returned Launch's. `deepspeed_config` /
+    `fsdp_plugin`: the sharding the recipe itself sets up (a DeepSpeed config from
+    deepspeed_setup.resolve_deepspeed_config, whose agreed precision, batch, accumulation and clipping the run then
+    uses). `asks`: the recipe's techniques as `rules.Run` fields, with `flags` saying how the recipe spells them, so a
+    refusal names the user's own flags.
     """
     quiet.silence_known_noise()  # before DeepSpeed, torchao and bitsandbytes are first imported
     check_leftover_accelerate(args)  # before the rule table, which would blame a launch config there is none of
@@ -233,7 +239,7 @@ def resolve_launch(
                      accumulation=accumulation, max_grad_norm=clipping, compile=torch_compile, lone_launch=lone,
                      packing=args.packing if args.task == "causal-lm" or "packing" in args.explicit_flags else
                      "per_document" if args.task == "sft" else "none",  # sft: whole conversations, kept apart
-                     parallelism_config=rules.launched_parallelism(os.environ),
+                     parallelism_config=rules.launched_parallelism(os.environ), support=support,
                      async_checkpoint=args.async_checkpoint, weights=args.weights_dtype,
                      preset="" if args.model_name_or_path else args.model_preset, **{"task": args.task, **asks})
     rules.check(run)  # the rule table: refused here, with the reason and the fix
