@@ -38,7 +38,7 @@ from shared.techniques.probes import quantized_state_counts
 
 RECIPE = "optim_low_bit"
 # What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
-# torchao's optimizers train under DDP and FSDP2 (benchmarks/compat_sweep.py); ZeRO: see the rule below.
+# torchao's optimizers train under DDP and FSDP2 (benchmarks/compat_sweep.py); ZeRO: a rule of optim_low_bit.py.
 SUPPORT = Support(shardings=("none", "ddp", "fsdp"), instead="accelerate_configs/multi_cpu.yaml (DDP), fsdp.yaml or "
                   "fsdp_offload.yaml (FSDP2)")
 OPTIMIZERS = {"adamw_torchao_4bit": "AdamW4bit", "adamw_torchao_fp8": "AdamWFp8",  # torchao.optim

@@ -217,6 +217,13 @@ def _launch_runs():
         yield recipe_run(recipe=recipe, sharding=sharding, launched=launched, num_processes=n, **asks)
 
 
+def test_the_recipes_a_refusal_points_to_are_the_recipes_that_say_so():
+    """The compile and --async_checkpoint refusals name recipes (shared/core/rules.py), as their SUPPORT says."""
+    catalogue = recipes_support()
+    assert set(rules.COMPILING) == {name for name, support in catalogue.items() if support.compiles}
+    assert set(rules.ASYNC_CHECKPOINTING) == {name for name, support in catalogue.items() if support.async_checkpoint}
+
+
 def test_every_rule_fires_somewhere_and_names_a_fix():
     fired: Counter = Counter()
     runs = [*_launch_runs(),
