@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from shared.core import rules  # noqa: E402
 from shared.core.launch import free_port  # noqa: E402
-from shared.tools import catalogue  # noqa: E402, F401  (every technique's rules)
+from shared.tools import catalogue  # noqa: E402  (every technique's rules; the recipes' SUPPORT)
 
 # sharding -> (accelerate config, launch flags per offload); offloads not listed do not exist for that sharding. The
 # words are shared/core/rules.py's (SHARDINGS, OFFLOADS), as results.json reports them: zero3's offloads move the
@@ -87,8 +87,8 @@ MOE = ("tiny-moe", "tiny-qwen3-moe")
 def bf16_storage_lifts_a_rule(sharding: str, weights: str) -> bool:
     """Whether the rule table (shared/core/rules.py) refuses this 4-bit cell's uint8 packing and not a bfloat16 one:
     the sweep follows the table's fix rather than restating the rule."""
-    run = rules.Run(recipe="combined", sharding=sharding, launched=sharding, num_processes=2, load_in="4bit",
-                    lora=True, dora=weights == "nf4+dora")
+    run = catalogue.recipe_run(recipe="combined", sharding=sharding, launched=sharding, num_processes=2,
+                               load_in="4bit", lora=True, dora=weights == "nf4+dora")
     return len(rules.refusals(replace(run, quant_storage="bfloat16"))) < len(rules.refusals(run))
 
 

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.compat_sweep import MOE, PRESET_OF, launch_logged  # noqa: E402  (what both sweeps share)
 from shared.core import rules  # noqa: E402
+from shared.tools.catalogue import recipes_support  # noqa: E402
 
 # Not run here: recipes being reworked now, whose own tests train the decoder presets.
 SKIPPED = {"expert_parallel": "tests/test_expert_parallel.py trains tiny-moe",
@@ -63,7 +64,7 @@ EVAL_KEYS = ("eval_perplexity", "eval_accuracy", "eval_loss", "int8_perplexity",
 def launch_of(recipe: str) -> tuple[str | None, int]:
     """(accelerate config, processes) of the recipe's plainest allowed launch: one process when its row allows it,
     else the first config its Support.instead names."""
-    s = rules.RECIPES[recipe]
+    s = recipes_support()[recipe]
     if "none" in s.shardings and s.min_processes <= 1 and not s.needs_offload:
         return None, 1
     config = CONFIG_OVERRIDE.get(recipe) or re.search(r"accelerate_configs/(\w+\.yaml)", s.instead).group(1)
@@ -108,7 +109,7 @@ def _free_port() -> int:
 
 def all_cells() -> list[Cell]:
     # ptq quantizes what the baseline cell of its task and preset trained: the tiny-moe classifier is refused there.
-    cells = [Cell(r, t, p) for r in rules.RECIPES if r not in SKIPPED for t, p in CELLS
+    cells = [Cell(r, t, p) for r in recipes_support() if r not in SKIPPED for t, p in CELLS
              if (r, t, p) != ("ptq", "text-classification", "tiny-moe")]
     return sorted(cells, key=lambda c: (c.recipe not in TRAINS_FROM.values(), c.recipe in TRAINS_FROM))
 
@@ -218,7 +219,8 @@ def probe(argv: list[str]) -> None:
             found = _original(run)
             if found:
                 out.mkdir(parents=True, exist_ok=True)
-                (out / f"refusal_run_rank{rank}.json").write_text(json.dumps({"via": _name, "run": asdict(run)}))
+                run_fields = {k: v for k, v in asdict(run).items() if k != "support"}  # the recipe's: refusal_of
+                (out / f"refusal_run_rank{rank}.json").write_text(json.dumps({"via": _name, "run": run_fields}))
             return found
 
         setattr(rules, name, recorded)  # check() and check_built() look them up in the module when they run
@@ -232,7 +234,8 @@ def probe(argv: list[str]) -> None:
 def refusal_of(recorded: dict) -> str:
     """What the rule table says today for a recorded refused Run (tests/test_decoder_presets.py)."""
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in recorded["run"].items()}
-    return " ".join(getattr(rules, recorded["via"])(rules.Run(**fields)))
+    support = recipes_support().get(fields["recipe"])  # recorded without it: the recipe's own SUPPORT
+    return " ".join(getattr(rules, recorded["via"])(rules.Run(**fields, support=support)))
 
 
 # ---------------------------------------------------------------- outputs

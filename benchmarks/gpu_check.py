@@ -38,11 +38,11 @@ STEPS = 5
 
 def one_process_recipes() -> list[str]:
     """Every recipe the rule table lets run as `accelerate launch recipes/<r>.py` in one process, no flags."""
-    from shared.core.rules import RECIPES, Run, refusals
-    from shared.tools import catalogue  # noqa: F401  (every technique's rules, as each recipe registers its own)
+    from shared.core.rules import refusals
+    from shared.tools.catalogue import recipe_run, recipes_support  # every technique's rules; each recipe's SUPPORT
 
-    return sorted(r for r, support in RECIPES.items() if not refusals(
-        Run(recipe=r, sharding="none", launched="none", precision=support.precision or "no")))
+    return sorted(r for r, support in recipes_support().items() if not refusals(
+        recipe_run(recipe=r, sharding="none", launched="none", precision=support.precision or "no")))
 
 
 def recipe_checks(device_steps: int, tiny: bool) -> list[dict]:

@@ -74,7 +74,7 @@ DECODERS = ("tiny-llama", "tiny-moe")  # Llama and Mixtral (a mixture of experts
 
 @dataclass(frozen=True)
 class Run:
-    recipe: str  # a key of shared/core/rules.py's RECIPES
+    recipe: str  # recipes/<recipe>.py (shared/tools/catalogue.py recipes_support)
     config: str = "single_process.yaml"  # accelerate_configs/<config>
     args: tuple[str, ...] = ()
     technique: Technique | None = None  # how the planner models it; None: not predicted

@@ -35,11 +35,14 @@ from shared.core.models import transformer_layers
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques.probes import checkpointing_probe
 from shared.techniques.selective_checkpointing import checkpoint_kwargs
 
 RECIPE = "activation_checkpointing"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+SUPPORT = Support(compiles=True, instead="recipes/combined.py --gradient_checkpointing")
 
 
 def add_args(p):
@@ -98,7 +101,7 @@ def main(argv=None) -> dict:
     asked = {"checkpoint_impl": args.checkpointing_impl or "", "checkpoint_every": args.checkpoint_every,
              "checkpoint_policy": args.checkpointing_policy}  # HF's switch checkpoints all blocks, whole
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, **asked)
+    launch = resolve_launch(args, RECIPE, SUPPORT, **asked)
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(

@@ -30,10 +30,17 @@ from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import Support
 from shared.core.tasks import load_task
+from shared.techniques import fsdp_launch  # noqa: F401  (an FSDP launch: its settings checked, FSDP2 on CPU)
 from shared.techniques.activation_offload import MIN_BYTES, ActivationOffloader
 
 RECIPE = "activation_offloading"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+# Saved-tensor hooks around forward: one process, DDP and FSDP2 run (tests/test_activation_offloading.py).
+SUPPORT = Support(shardings=("none", "ddp", "fsdp"),
+                  instead="one process, accelerate_configs/multi_cpu.yaml (DDP) or fsdp.yaml",
+                  why_not="its saved-tensor hooks have not been run with DeepSpeed's engine here")
 
 
 def add_args(p):
@@ -49,8 +56,8 @@ def add_args(p):
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, activation_offload=args.offload_mode, activation_offload_to=args.offload_to,
-                            activation_offload_dir=bool(args.offload_dir),
+    launch = resolve_launch(args, RECIPE, SUPPORT, activation_offload=args.offload_mode,
+                            activation_offload_to=args.offload_to, activation_offload_dir=bool(args.offload_dir),
                             flags={"activation_offload": f"--offload_mode {args.offload_mode}"})
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
@@ -62,7 +69,7 @@ def main(argv=None) -> dict:
         log_with=launch.log_with,
         project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
-        fsdp_plugin=launch.fsdp_plugin,  # an FSDP launch config's settings, checked (shared/core/fsdp_launch.py)
+        fsdp_plugin=launch.fsdp_plugin,  # an FSDP launch config's settings, checked (shared/techniques/fsdp_launch.py)
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     task = load_task(launch, accelerator)

@@ -26,8 +26,9 @@ from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
-from shared.core.rules import sharding_of
+from shared.core.rules import SHARDINGS, Support, sharding_of
 from shared.core.tasks import load_task
+from shared.techniques import fsdp_launch  # noqa: F401  (an FSDP launch: its settings checked, FSDP2 on CPU)
 from shared.techniques.chunked_loss import ChunkedLoss
 from shared.techniques.deepspeed_setup import (
     add_deepspeed_args,
@@ -36,6 +37,9 @@ from shared.techniques.deepspeed_setup import (
 )
 
 RECIPE = "chunked_loss"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+# The head module's own hooks gather it (tests/test_chunked_loss.py).
+SUPPORT = Support(shardings=SHARDINGS)
 
 
 def add_args(p):
@@ -53,7 +57,7 @@ def main(argv=None) -> dict:
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config, zero3_init_flag=zero3_init(ds_config)
                              ) if ds_config else None
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, deepspeed_config=ds_config, chunked_loss=True, task=args.task,
+    launch = resolve_launch(args, RECIPE, SUPPORT, deepspeed_config=ds_config, chunked_loss=True, task=args.task,
                             flags={"chunked_loss": "recipes/chunked_loss.py"})  # a causal LM's vocabulary only
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables

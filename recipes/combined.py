@@ -32,8 +32,9 @@ from shared.core.models import AUTO_CLASSES, HEAD_NAMES
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
-from shared.core.rules import offload_of, sharding_of
+from shared.core.rules import SHARDINGS, Support, offload_of, sharding_of
 from shared.core.tasks import load_task
+from shared.techniques import fsdp_launch  # noqa: F401  (an FSDP launch: its settings checked, FSDP2 on CPU)
 from shared.techniques.activation_offload import ActivationOffloader
 from shared.techniques.chunked_loss import ChunkedLoss
 from shared.techniques.deepspeed_setup import (
@@ -60,6 +61,8 @@ from shared.techniques.quant import (
 from shared.techniques.selective_checkpointing import checkpoint_kwargs
 
 RECIPE = "combined"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+SUPPORT = Support(shardings=SHARDINGS)
 
 
 def add_args(p):
@@ -102,8 +105,9 @@ def main(argv=None) -> dict:
                                  zero3_init_flag=zero3_init(ds_config) and args.load_in == "full")
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(
-        args, RECIPE, deepspeed_config=ds_config, load_in=args.load_in, quant_storage=args.bnb_4bit_quant_storage,
-        lora=args.lora, dora=args.use_dora, optimizer=args.optim, in_backward=args.optimizer_in_backward,
+        args, RECIPE, SUPPORT, deepspeed_config=ds_config, load_in=args.load_in,
+        quant_storage=args.bnb_4bit_quant_storage, lora=args.lora, dora=args.use_dora, optimizer=args.optim,
+        in_backward=args.optimizer_in_backward,
         checkpointing=args.gradient_checkpointing, checkpoint_policy=args.checkpointing_policy,
         chunked_loss=args.chunked_loss, task=args.task,  # only a causal LM has vocabulary logits to chunk
         activation_offload=args.activation_offloading or "",
@@ -122,7 +126,7 @@ def main(argv=None) -> dict:
         log_with=launch.log_with,
         project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
-        fsdp_plugin=launch.fsdp_plugin,  # an FSDP launch config's settings, checked (shared/core/fsdp_launch.py)
+        fsdp_plugin=launch.fsdp_plugin,  # an FSDP launch config's settings, checked (shared/techniques/fsdp_launch.py)
         deepspeed_plugin=plugin,  # None: the launch config's sharding (DDP, FSDP) or none
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers

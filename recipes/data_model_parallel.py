@@ -35,6 +35,7 @@ from shared.core.models import transformer_layers
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import collect_results, write_results
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques.pipeline_stages import (
     Stage,
@@ -50,6 +51,11 @@ from shared.techniques.pipeline_stages import (
 )
 
 RECIPE = "data_model_parallel"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+SUPPORT = Support(shardings=("ddp",), min_processes=4, instead="accelerate_configs/data_model_parallel.yaml",
+                  own_attention_mask=True,
+                  no_compile="its stages run through torch.distributed.pipelining, outside accelerator.prepare(), so "
+                             "nothing would compile them")
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}  # classes of torch.distributed.pipelining
 
 
@@ -64,8 +70,8 @@ def add_args(p):
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, stages_per_replica=args.pipeline_stages, microbatches=args.n_microbatches,
-                            batch_size=args.per_device_train_batch_size,
+    launch = resolve_launch(args, RECIPE, SUPPORT, stages_per_replica=args.pipeline_stages,
+                            microbatches=args.n_microbatches, batch_size=args.per_device_train_batch_size,
                             flags={"stages_per_replica": "--pipeline_stages"})
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables

@@ -31,10 +31,14 @@ from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques.comm_reduction import HOOKS, AllreduceBytes, powersgd_options
 
 RECIPE = "data_parallel"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+SUPPORT = Support(compiles=True, reshards=True, instead="recipes/zero.py (ZeRO), recipes/fsdp.py (FSDP) or "
+                  "recipes/combined.py (this technique with sharding)")
 
 
 def add_args(p):
@@ -67,7 +71,7 @@ def main(argv=None) -> dict:
         bucket_cap_mb=args.bucket_cap_mb, comm_hook=DDPCommunicationHookType(args.comm_hook),  # a str: silently none
         comm_state_option=powersgd_options(args.comm_hook, args.powersgd_rank, args.powersgd_start_iter))
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, comm_hook=args.comm_hook, local_sgd_steps=args.local_sgd_steps or 0,
+    launch = resolve_launch(args, RECIPE, SUPPORT, comm_hook=args.comm_hook, local_sgd_steps=args.local_sgd_steps or 0,
                             powersgd_start=args.powersgd_start_iter, train_steps=args.max_train_steps or 0,
                             powersgd_typed=" ".join(sorted(f"--{f}" for f in args.explicit_flags if "powersgd" in f)),
                             checkpoints=bool(args.checkpointing_steps or args.resume_from_checkpoint))

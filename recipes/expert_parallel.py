@@ -35,12 +35,23 @@ from shared.core.models import model_config
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques import expert_parallel as ep
 from shared.techniques.async_checkpoint import async_checkpoints
 from shared.techniques.tensor_parallel import checkpoint_dtensors, clip_grad_norm
 
 RECIPE = "expert_parallel"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+# The experts split over all processes, tokens sent to them by all-to-all, the dense weights FSDP2-sharded over
+# the same processes, each reading its own batches.
+SUPPORT = Support(shardings=("ddp",), min_processes=2, async_checkpoint=True,
+                  no_fp16="its loss scaler is not wired to the sharded gradients",
+                  instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: the "
+                          "expert-parallel degree, a divisor of the experts per layer)",
+                  no_compile="its model is distributed by Transformers' expert-parallel and FSDP2 plans outside "
+                             "accelerator.prepare(), so nothing would compile it (all-to-all dispatch under "
+                             "inductor was not run here)")
 
 
 def add_args(p):
@@ -51,7 +62,7 @@ def add_args(p):
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__, task="causal-lm", model_preset="tiny-moe")
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE)
+    launch = resolve_launch(args, RECIPE, SUPPORT)
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(

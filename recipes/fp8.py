@@ -29,10 +29,18 @@ from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques.fp8 import check_fp8_launch_config, check_fp8_resolved, fp8_summary
 
 RECIPE = "fp8"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+# Accelerate's fp8 with torchao: one process and DDP over gloo measured (tests/test_fp8.py). FSDP2 (float8
+# all-gather of DTensor shards) and DeepSpeed were not run on this stack: refused rather than assumed.
+SUPPORT = Support(precision="fp8", instead="one process or DDP (accelerate_configs/single_process.yaml, "
+                  "multi_cpu.yaml, multi_gpu.yaml)",
+                  why_not="FP8 under FSDP2 or DeepSpeed has not been run here (torchao's float8 all-gather of "
+                          "FSDP2 shards is the route to try on a GPU)")
 
 
 def add_args(p):
@@ -45,7 +53,7 @@ def main(argv=None) -> dict:
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     # The precision is this recipe's own: fp8 (args.py's --mixed_precision offers no fp8; other values refused).
     check_fp8_launch_config()  # a launch config's fp8_config: torchao's backend (AO), or refused before anything loads
-    launch = resolve_launch(args, RECIPE, default_mixed_precision="fp8")
+    launch = resolve_launch(args, RECIPE, SUPPORT, default_mixed_precision="fp8")
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(

@@ -7,7 +7,7 @@ consolidated safetensors model at the end.
     accelerate launch --config_file accelerate_configs/fsdp_offload.yaml recipes/fsdp.py --task causal-lm
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/fsdp.py --checkpointing_steps 50
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/fsdp.py --resume_from_checkpoint latest
-On a CPU-only machine the same configs run over gloo (shared/core/fsdp_launch.py makes Accelerate really shard there).
+On a CPU-only machine the same configs run over gloo (shared/techniques/fsdp_launch.py makes Accelerate shard there).
 HSDP, --dp_replicate_size R or --dp_shard_size S (R = nodes, S = GPUs per node): Accelerate's ParallelismConfig
 mesh, each block sharded inside a group of S processes and replicated over the R groups (docs/hsdp.md):
     accelerate launch --config_file accelerate_configs/hsdp.yaml recipes/fsdp.py --dp_replicate_size 2   # 2 x 2
@@ -24,18 +24,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `shared/` beside
 from shared.core.args import COUNT, parse_args
 from shared.core.checkpoint import Preemption, maybe_save_checkpoint, resume
 from shared.core.data import endless_batches
-from shared.core.fsdp_launch import fsdp_plugin_kwargs, launch_fsdp_settings
 from shared.core.guard import DivergenceGuard
 from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques.async_checkpoint import async_checkpoints
+from shared.techniques.fsdp_launch import fsdp_plugin_kwargs, launch_fsdp_settings
 from shared.techniques.hsdp import hsdp_report, parallelism_config
 
 RECIPE = "fsdp"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+SUPPORT = Support(shardings=("fsdp",), min_processes=2, instead="accelerate_configs/fsdp.yaml or fsdp_offload.yaml "
+                  "(hsdp.yaml: HSDP)", async_checkpoint=True, reshards=True)  # SHARDED_STATE_DICT: DCP reshards
 
 
 def add_args(p):
@@ -52,8 +56,9 @@ def add_args(p):
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # The recipe's settings; each fsdp_* setting of the launch config replaces its own, or is refused (fsdp_launch.py).
+    launched = launch_fsdp_settings()
     fsdp_plugin = FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs(
-        args,
+        args, launched,
         fsdp_version=2,
         reshard_after_forward=True,                 # full shard: parameters are freed again after each block's use
         auto_wrap_policy="transformer_based_wrap",  # one FSDP unit (one all-gather) per transformer block
@@ -61,8 +66,8 @@ def main(argv=None) -> dict:
         cpu_offload=args.cpu_offload,               # None: fsdp_offload_params from the accelerate config
     ))
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, fsdp_plugin=fsdp_plugin, dp_replicate_size=args.dp_replicate_size or 0,
-                            dp_shard_size=args.dp_shard_size or 0)
+    launch = resolve_launch(args, RECIPE, SUPPORT, fsdp_plugin=fsdp_plugin,
+                            dp_replicate_size=args.dp_replicate_size or 0, dp_shard_size=args.dp_shard_size or 0)
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(
@@ -119,7 +124,7 @@ def main(argv=None) -> dict:
         "fsdp_units": sum(isinstance(m, FSDPModule) for m in model.modules()),
         "wrapped_block_class": fsdp_plugin.transformer_cls_names_to_wrap[0],
         "state_dict_type": fsdp_plugin.state_dict_type.name,
-        "fsdp_settings_from": {k: source for k, (_, source) in launch_fsdp_settings().items()},  # else the recipe's
+        "fsdp_settings_from": {k: source for k, (_, source) in launched.items()},  # else the recipe's
         **hsdp_report(accelerator, model, optimizer),  # HSDP: the mesh, and each process's shard digest
     }
     # finish() gathers the shards into one consolidated safetensors model (a collective on every process).

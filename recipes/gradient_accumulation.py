@@ -26,9 +26,14 @@ from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 
 RECIPE = "gradient_accumulation"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+# Accumulation keeps one micro-batch's activations at a time; DDP replicas each hold what the baseline holds.
+SUPPORT = Support(compiles=True, reshards=True, accumulates=True, instead="recipes/zero.py (ZeRO), recipes/fsdp.py "
+                  "(FSDP) or recipes/combined.py (this technique with sharding)")
 
 
 def add_args(p):
@@ -39,7 +44,7 @@ def add_args(p):
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__, gradient_accumulation_steps=4)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE)
+    launch = resolve_launch(args, RECIPE, SUPPORT)
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(

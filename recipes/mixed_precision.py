@@ -27,9 +27,13 @@ from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 
 RECIPE = "mixed_precision"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+SUPPORT = Support(compiles=True, instead="recipes/zero.py (ZeRO), recipes/fsdp.py (FSDP) or "
+                  "recipes/combined.py (this technique with sharding)")
 
 
 def add_args(p):
@@ -45,7 +49,7 @@ def main(argv=None) -> dict:
     # fp16 unless the flag or the accelerate config says otherwise; the scaler settings apply to fp16 only.
     scaler = GradScalerKwargs(init_scale=args.init_loss_scale, growth_interval=args.loss_scale_growth_interval)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, default_mixed_precision="fp16")
+    launch = resolve_launch(args, RECIPE, SUPPORT, default_mixed_precision="fp16")
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(

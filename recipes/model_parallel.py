@@ -31,10 +31,16 @@ from shared.core.models import transformer_layers
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques.pipeline_stages import checkpoint_per_process, split_layers
 
 RECIPE = "model_parallel"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+SUPPORT = Support(shardings=("none",), max_processes=1,
+                  instead="recipes/data_model_parallel.py for stages with data-parallel replicas",
+                  no_compile="its model is left out of accelerator.prepare() (it places the blocks over the devices "
+                             "itself), so nothing would compile it")
 logger = logging.getLogger("recipes")
 
 
@@ -80,7 +86,7 @@ def place_stages(model: torch.nn.Module, layer_ranges: list[range], devices: lis
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE)
+    launch = resolve_launch(args, RECIPE, SUPPORT)
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(

@@ -27,10 +27,13 @@ from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques.optim_8bit import check_paged
 
 RECIPE = "optim_8bit"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+SUPPORT = Support(instead="recipes/combined.py --optim adamw_bnb_8bit (ZeRO-1/2 without offload)")
 
 
 def add_args(p):
@@ -46,7 +49,8 @@ def add_args(p):
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, optimizer="adamw_bnb_8bit", flags={"optimizer": "the 8-bit optimizer"})
+    launch = resolve_launch(args, RECIPE, SUPPORT, optimizer="adamw_bnb_8bit",
+                            flags={"optimizer": "the 8-bit optimizer"})
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(

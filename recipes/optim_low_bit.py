@@ -30,12 +30,17 @@ from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
-from shared.core.rules import offload_of, sharding_of
+from shared.core.rules import Support, offload_of, sharding_of
 from shared.core.tasks import load_task
+from shared.techniques import fsdp_launch  # noqa: F401  (an FSDP launch: its settings checked, FSDP2 on CPU)
 from shared.techniques.optim_low_bit import compile_each_shard_apart
 from shared.techniques.probes import quantized_state_counts
 
 RECIPE = "optim_low_bit"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+# torchao's optimizers train under DDP and FSDP2 (benchmarks/compat_sweep.py); ZeRO: a rule of optim_low_bit.py.
+SUPPORT = Support(shardings=("none", "ddp", "fsdp"), instead="accelerate_configs/multi_cpu.yaml (DDP), fsdp.yaml or "
+                  "fsdp_offload.yaml (FSDP2)")
 OPTIMIZERS = {"adamw_torchao_4bit": "AdamW4bit", "adamw_torchao_fp8": "AdamWFp8",  # torchao.optim
               "adamw_torchao_8bit": "AdamW8bit", "adamw_bnb_8bit": "AdamW8bit"}  # bitsandbytes.optim
 
@@ -49,7 +54,7 @@ def add_args(p):
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, optimizer=args.optim, flags={"optimizer": f"--optim {args.optim}"})
+    launch = resolve_launch(args, RECIPE, SUPPORT, optimizer=args.optim, flags={"optimizer": f"--optim {args.optim}"})
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(
@@ -60,7 +65,7 @@ def main(argv=None) -> dict:
         log_with=launch.log_with,
         project_dir=launch.output_dir,
         kwargs_handlers=launch.kwargs_handlers,  # a timeout for collectives; gloo on a CPU-only machine
-        fsdp_plugin=launch.fsdp_plugin,  # an FSDP launch config's settings, checked (shared/core/fsdp_launch.py)
+        fsdp_plugin=launch.fsdp_plugin,  # an FSDP launch config's settings, checked (shared/techniques/fsdp_launch.py)
     )
     start_run(accelerator, launch)  # checks what Accelerate resolved; fp16 on CPU; logs, seed, trackers
     # The technique's library, imported once the launch is known to be valid: --help and a refused launch

@@ -24,10 +24,23 @@ from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques.optim_in_backward import OptimizerInBackward
 
 RECIPE = "optimizer_in_backward"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+# One process only (sharding "none" is never launched with more), found by running DDP over gloo with the hooks:
+# tests/test_optimizer_in_backward.py.
+SUPPORT = Support(
+    shardings=("none",),
+    instead="one process (`accelerate launch recipes/optimizer_in_backward.py`, accelerate_configs/"
+            "single_process.yaml or bf16.yaml); over several processes, recipes/zero.py (ZeRO-2) or "
+            "recipes/fsdp.py shard the gradients instead",
+    why_not="its hooks step each parameter on this process's own gradient, before DDP's all-reduce has averaged "
+            "it (measured on gloo: the replicas differ after one step, and DDP's buckets still hold the whole "
+            "model's gradients, so nothing is saved); ZeRO and FSDP reduce gradients their own way, and the hooks "
+            "are not wired to them here")
 
 
 def add_args(p):
@@ -38,7 +51,7 @@ def add_args(p):
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__, max_grad_norm=0.0)  # clipping is refused: off by default
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, optimizer="adamw_in_backward")
+    launch = resolve_launch(args, RECIPE, SUPPORT, optimizer="adamw_in_backward")
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(

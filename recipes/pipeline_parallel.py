@@ -35,6 +35,7 @@ from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import collect_results, write_results
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques.pipeline_stages import (
     bubble_report,
@@ -53,6 +54,11 @@ from shared.techniques.pipeline_stages import (
 )
 
 RECIPE = "pipeline_parallel"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+SUPPORT = Support(shardings=("ddp",), min_processes=2, instead="accelerate_configs/pipeline.yaml",
+                  own_attention_mask=True,
+                  no_compile="its stages run through torch.distributed.pipelining, outside accelerator.prepare(), so "
+                             "nothing would compile them")
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",  # classes of torch.distributed.pipelining
              "interleaved_1f1b": "ScheduleInterleaved1F1B", "interleaved_zb": "ScheduleInterleavedZeroBubble",
              "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
@@ -68,7 +74,8 @@ def add_args(p):
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, microbatches=args.n_microbatches, batch_size=args.per_device_train_batch_size,
+    launch = resolve_launch(args, RECIPE, SUPPORT, microbatches=args.n_microbatches,
+                            batch_size=args.per_device_train_batch_size,
                             flags={"schedule": f"--schedule {args.schedule}"})
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables

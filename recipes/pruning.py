@@ -35,10 +35,13 @@ from shared.core.models import transformer_layers
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques.quant import check_linear_only
 
 RECIPE = "pruning"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+SUPPORT = Support(instead="a single process or DDP (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml)")
 QKV = ("query", "key", "value", "q_proj", "k_proj", "v_proj", "c_attn")
 
 
@@ -133,7 +136,7 @@ def cubic_sparsity(step: int, args, end_step: int) -> float:
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE)
+    launch = resolve_launch(args, RECIPE, SUPPORT)
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(

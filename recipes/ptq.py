@@ -21,10 +21,14 @@ from shared.core.args import parse_args
 from shared.core.launch import claim_output_dir, configure_process, entrypoint, resolve_launch, start_run
 from shared.core.models import transformer_layers
 from shared.core.preflight import stop_if_preflight
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques.quant import check_linear_only, conv1d_to_linear, dir_bytes
 
 RECIPE = "ptq"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+SUPPORT = Support(shardings=("none",), max_processes=1, instead="`python recipes/ptq.py` (one process)",
+                  needs_trained_model=True)
 
 
 def add_args(p):
@@ -35,7 +39,7 @@ def add_args(p):
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, model_given=bool(args.model_name_or_path))
+    launch = resolve_launch(args, RECIPE, SUPPORT, model_given=bool(args.model_name_or_path))
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     # No training: one process, which the Accelerator only places on its device and evaluates through (none of the

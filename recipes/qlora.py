@@ -33,7 +33,9 @@ from shared.core.models import AUTO_CLASSES, HEAD_NAMES
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import SHARDINGS, Support
 from shared.core.tasks import load_task
+from shared.techniques import fsdp_launch  # noqa: F401  (an FSDP launch: its settings checked, FSDP2 on CPU)
 from shared.techniques.deepspeed_setup import gathered_parameters
 from shared.techniques.quant import (
     COMPUTE_DTYPES,
@@ -47,6 +49,8 @@ from shared.techniques.quant import (
 )
 
 RECIPE = "qlora"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+SUPPORT = Support(shardings=SHARDINGS)
 
 
 def add_args(p):
@@ -77,7 +81,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
     launch = resolve_launch(
-        args, RECIPE, load_in=args.load_in, lora=True,
+        args, RECIPE, SUPPORT, load_in=args.load_in, lora=True,
         quant_storage=args.bnb_4bit_quant_storage, spread_devices=args.device_map == "auto",
         merge_unsaved=args.merge and args.no_save_model,
         flags={"load_in": f"--load_in {args.load_in}", "quant_storage": "--bnb_4bit_quant_storage",

@@ -30,10 +30,16 @@ from shared.core.meter import Meter
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques import ulysses as sp
 
 RECIPE = "sequence_parallel"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+# Ulysses sequence parallel over all processes: each holds a chunk of every sequence.
+SUPPORT = Support(shardings=("ddp",), min_processes=2, splits_sequence=True,
+                  instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: the "
+                          "sequence-parallel degree)")
 
 
 def add_args(p):
@@ -44,7 +50,7 @@ def add_args(p):
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__, task="causal-lm")
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, task=args.task, seq_len=args.max_seq_length)
+    launch = resolve_launch(args, RECIPE, SUPPORT, task=args.task, seq_len=args.max_seq_length)
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(

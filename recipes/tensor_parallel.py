@@ -42,6 +42,7 @@ from shared.core.models import model_config, transformer_layers
 from shared.core.optim import optimizer_and_scheduler, total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques.async_checkpoint import async_checkpoints
 from shared.techniques.tensor_parallel import (
@@ -59,6 +60,15 @@ from shared.techniques.tensor_parallel import (
 )
 
 RECIPE = "tensor_parallel"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+# One TP group of all processes, or --tp_size N groups with FSDP2 across them on a (dp, tp) mesh it builds itself;
+# the launch is a plain multi-process one.
+SUPPORT = Support(shardings=("ddp",), min_processes=2, async_checkpoint=True, reshards=True,
+                  no_fp16="its loss scaler is not wired to the sharded gradients",
+                  instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: the "
+                          "tensor-parallel degree), or tp2_dp2.yaml with --tp_size 2 (TP x FSDP2)",
+                  no_compile="its blocks are split with parallelize_module outside accelerator.prepare(), so "
+                             "nothing would compile them (DTensor blocks under inductor were not run here)")
 
 
 def add_args(p):
@@ -74,7 +84,7 @@ def add_args(p):
 def main(argv=None) -> dict:
     args = parse_args(argv, add_args, description=__doc__)
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, tensor_parallel_size=args.tp_size or 0, shard_vocab=args.shard_vocab,
+    launch = resolve_launch(args, RECIPE, SUPPORT, tensor_parallel_size=args.tp_size or 0, shard_vocab=args.shard_vocab,
                             task=args.task, flags={"tensor_parallel_size": "--tp_size"})
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables

@@ -25,6 +25,7 @@ from shared.core.meter import Meter
 from shared.core.optim import total_steps
 from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
+from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques.deepspeed_setup import (
     add_deepspeed_args,
@@ -38,6 +39,11 @@ from shared.techniques.deepspeed_setup import (
 )
 
 RECIPE = "zero3_offload"
+# What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
+SUPPORT = Support(shardings=("zero1", "zero2", "zero3"), accumulates=True, needs_offload=True,
+                  instead="accelerate_configs/zero3_offload.yaml, zero2_offload.yaml or zero3_nvme.yaml",
+                  no_compile="under DeepSpeed, Accelerate compiles the engine's module in place (engine.compile), "
+                            "which has not been run on this stack")
 
 
 def add_args(group):
@@ -65,7 +71,7 @@ def main(argv=None) -> dict:
                              # ZeRO-3: build the model under zero.Init, so no process ever holds all of it.
                              zero3_init_flag=zero3_init(ds_config))
     # Refused here, before anything loads: a launch or flags this recipe cannot train (shared/core/rules.py).
-    launch = resolve_launch(args, RECIPE, deepspeed_config=ds_config)
+    launch = resolve_launch(args, RECIPE, SUPPORT, deepspeed_config=ds_config)
     claim_output_dir(launch)  # after every check: --overwrite_output_dir deletes the old run
     configure_process(launch)  # CPU threads; a lone DeepSpeed process's rendezvous variables
     accelerator = Accelerator(

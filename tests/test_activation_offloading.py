@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from shared.core import rules
 from shared.techniques.activation_offload import ActivationOffloader, offload_activations
 from shared.techniques.probes import forward_kept_bytes
+from shared.tools.catalogue import recipe_run
 from tests.conftest import launch, run_recipe
 from tests.test_selective_checkpointing import BATCH as _B
 from tests.test_selective_checkpointing import SEQ as _S
@@ -141,7 +142,7 @@ def test_combined_with_gradient_checkpointing(tmp_path):
 def test_refusals_name_the_fix(tmp_path):
     with pytest.raises(SystemExit, match="--offload_dir"):
         run_recipe("activation_offloading", tmp_path, *TINY, "--offload_to", "disk", "--offload_mode", "checkpointed")
-    zero = rules.refusals(rules.Run(recipe="combined", sharding="zero2", launched="zero2", activation_offload="all",
+    zero = rules.refusals(recipe_run(recipe="combined", sharding="zero2", launched="zero2", activation_offload="all",
                                     flags={"activation_offload": "--activation_offloading all"}))
     assert any("--activation_offloading all under DeepSpeed ZeRO-2" in z for z in zero)
 

@@ -1062,21 +1062,22 @@ def test_following_a_launch_fix_clears_the_rule():
     launched and takes it as the fix says."""
     from dataclasses import replace
 
-    from shared.core.rules import Run, refusals
+    from shared.core.rules import refusals
+    from shared.tools.catalogue import recipe_run
 
     cases = [  # (the run refused, its words, the run as fixed)
-        (Run(recipe="baseline", sharding="none", launched="none", on_accelerator=False, lone_launch=True),
+        (recipe_run(recipe="baseline", sharding="none", launched="none", on_accelerator=False, lone_launch=True),
          "started this one alone", dict(lone_launch=False, sharding="ddp", launched="ddp", num_processes=2)),
-        (Run(recipe="data_parallel", sharding="none", launched="none", comm_hook="bf16"), "with one process",
+        (recipe_run(recipe="data_parallel", sharding="none", launched="none", comm_hook="bf16"), "with one process",
          dict(sharding="ddp", launched="ddp", num_processes=2)),
-        (Run(recipe="fsdp", sharding="fsdp", launched="none"), "needs at least 2 processes",
+        (recipe_run(recipe="fsdp", sharding="fsdp", launched="none"), "needs at least 2 processes",
          dict(launched="fsdp", num_processes=2)),
-        (Run(recipe="fsdp", sharding="fsdp", launched="none", dp_replicate_size=2), "with one process",
+        (recipe_run(recipe="fsdp", sharding="fsdp", launched="none", dp_replicate_size=2), "with one process",
          dict(launched="fsdp", num_processes=4)),  # accelerate_configs/hsdp.yaml
-        (Run(recipe="pipeline_parallel", sharding="ddp", launched="ddp", num_processes=2, microbatches=4,
-             batch_size=6), "not divisible by --n_microbatches", dict(batch_size=8)),
-        (Run(recipe="pipeline_parallel", sharding="ddp", launched="ddp", num_processes=2, packing="per_document",
-             task="causal-lm"), "attend to each other", dict(packing="concat")),
+        (recipe_run(recipe="pipeline_parallel", sharding="ddp", launched="ddp", num_processes=2, microbatches=4,
+                    batch_size=6), "not divisible by --n_microbatches", dict(batch_size=8)),
+        (recipe_run(recipe="pipeline_parallel", sharding="ddp", launched="ddp", num_processes=2, packing="per_document",
+                    task="causal-lm"), "attend to each other", dict(packing="concat")),
     ]
     for run, words, fixed in cases:
         assert any(words in r for r in refusals(run)), (words, refusals(run))

@@ -17,6 +17,7 @@ from shared.core import rules
 from shared.core.errors import RecipeError
 from shared.core.launch import resolve_compile
 from shared.core.measure import compile_times
+from shared.tools.catalogue import recipe_run, recipes_support
 from tests.conftest import launch, run_recipe
 
 # fp32, no dropout (inductor draws its own random numbers), constant LR, whole batches only (a new shape recompiles).
@@ -88,18 +89,19 @@ def test_compiled_gpt2_under_ddp_matches_eager_ddp(tmp_path):
 
 
 def test_compile_is_refused_where_it_is_not_wired():
-    run = rules.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=2, compile="regional")
+    run = recipe_run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=2, compile="regional")
     (message,) = rules.refusals(run)
     assert "--torch_compile regional" in message and "recipes/tensor_parallel.py does not compile" in message
     assert "Fix: Drop --torch_compile" in message
-    assert not rules.refusals(rules.Run(recipe="baseline", sharding="ddp", launched="ddp", num_processes=2,
-                                          compile="full"))
-    compiling = {name for name, support in rules.RECIPES.items() if support.compiles}
+    assert not rules.refusals(recipe_run(recipe="baseline", sharding="ddp", launched="ddp", num_processes=2,
+                                         compile="full"))
+    compiling = {name for name, support in recipes_support().items() if support.compiles}
+    assert set(rules.COMPILING) == compiling  # the recipes the refusal points to
     assert {"baseline", "data_parallel"} <= compiling
     # A recipe that does not compile says why, or falls back on the generic reason; none is silently ignored.
-    for name in set(rules.RECIPES) - compiling:
-        assert rules.refusals(rules.Run(recipe=name, sharding=rules.RECIPES[name].shardings[0],
-                                          launched="none", compile="full")), name
+    for name in set(recipes_support()) - compiling:
+        assert rules.refusals(recipe_run(recipe=name, sharding=recipes_support()[name].shardings[0],
+                                         launched="none", compile="full")), name
 
 
 def test_the_launch_configs_dynamo_settings_are_honoured_or_refused(monkeypatch):
@@ -134,4 +136,4 @@ def test_docs_say_which_recipes_compile_as_the_rule_table_does():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if line.startswith("| ") and len(cells) >= 2 and cells[1] in ("works", "refused"):
             said |= {name.strip(): cells[1] == "works" for name in cells[0].split(",")}
-    assert said == {name: support.compiles for name, support in rules.RECIPES.items()}
+    assert said == {name: support.compiles for name, support in recipes_support().items()}

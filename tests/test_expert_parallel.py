@@ -10,6 +10,7 @@ import pytest
 
 from shared.core import rules
 from shared.core.errors import RecipeError
+from shared.tools.catalogue import recipe_run
 from tests.conftest import launch, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON, STEPS
 from tests.probed_run import launch_probed, run_probed
@@ -78,7 +79,7 @@ def test_refuses_one_process(tmp_path):
 
 
 def test_refuses_fp16_and_compile():
-    run = rules.Run(recipe="expert_parallel", sharding="ddp", launched="ddp", num_processes=2, task="causal-lm")
+    run = recipe_run(recipe="expert_parallel", sharding="ddp", launched="ddp", num_processes=2, task="causal-lm")
     rules.check(run)  # the plain run trains
     with pytest.raises(RecipeError, match="fp16 with recipes/expert_parallel.py.*bf16 or no"):
         rules.check(rules.Run(**{**run.__dict__, "precision": "fp16"}))

@@ -10,6 +10,7 @@ import pytest
 from shared.core import rules
 from shared.core.errors import RecipeError
 from shared.tools import plan
+from shared.tools.catalogue import recipe_run
 from tests.conftest import launch, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON
 
@@ -87,25 +88,25 @@ def test_the_halfway_checkpoint_resumes_to_the_uninterrupted_run(hsdp, tmp_path)
     ({"dp_replicate_size": 2}, 1, "--dp_replicate_size 2 with one process.*accelerate_configs/hsdp.yaml"),
 ])
 def test_sizes_that_do_not_make_a_mesh_are_refused_with_the_fix(flags, world, match):
-    run = rules.Run(recipe="fsdp", sharding="fsdp", launched="fsdp", num_processes=world, **flags)
+    run = recipe_run(recipe="fsdp", sharding="fsdp", launched="fsdp", num_processes=world, **flags)
     with pytest.raises(RecipeError, match=match):
         rules.check(run)
     for ok in ({"dp_replicate_size": 2}, {"dp_shard_size": 2}, {"dp_replicate_size": 2, "dp_shard_size": 2}):
-        rules.check(rules.Run(recipe="fsdp", sharding="fsdp", launched="fsdp", num_processes=4, **ok))
-    rules.check(rules.Run(recipe="fsdp", sharding="fsdp", launched="fsdp", num_processes=16, dp_shard_size=8))
+        rules.check(recipe_run(recipe="fsdp", sharding="fsdp", launched="fsdp", num_processes=4, **ok))
+    rules.check(recipe_run(recipe="fsdp", sharding="fsdp", launched="fsdp", num_processes=16, dp_shard_size=8))
 
 
 def test_hsdp_under_zero_and_accelerate_tp_under_fsdp_are_refused():
     """HSDP flags under a ZeRO launch config: the launch rule names hsdp.yaml. A launch config whose own
     parallelism_config sets tp_size under FSDP: Accelerate 1.15 would import a class transformers 5.24 lacks."""
-    run = rules.Run(recipe="fsdp", sharding="fsdp", launched="zero3", num_processes=4, dp_replicate_size=2)
+    run = recipe_run(recipe="fsdp", sharding="fsdp", launched="zero3", num_processes=4, dp_replicate_size=2)
     with pytest.raises(RecipeError, match="ZeRO-3, and recipes/fsdp.py runs FSDP itself.*hsdp.yaml"):
         rules.check(run)
     with pytest.raises(ImportError):
         from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401
     env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2",
            "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "WORLD_SIZE": "4"}
-    run = rules.Run(recipe="fsdp", sharding="fsdp", launched="fsdp", num_processes=4,
+    run = recipe_run(recipe="fsdp", sharding="fsdp", launched="fsdp", num_processes=4,
                      parallelism_config=rules.launched_parallelism(env))
     with pytest.raises(RecipeError, match="ReplicateParallel.*recipes/tensor_parallel.py --tp_size N"):
         rules.check(run)

@@ -21,10 +21,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.core.rules import RECIPES as CATALOGUE
+from shared.tools.catalogue import recipes_support
 from tests.conftest import CONFIGS, ROOT, launch, load_params, load_recipe, run_recipe
 
-RECIPES = sorted(CATALOGUE)  # tests/test_recipe_shape.py holds it to the files in recipes/
+RECIPES = sorted(recipes_support())  # tests/test_recipe_shape.py holds it to the files in recipes/
 CONFIG_FILES = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 EXTRA_ARGS = {"ptq": ["--model_name_or_path", str(ROOT)]}  # PTQ needs a model to quantize; never loaded here
 

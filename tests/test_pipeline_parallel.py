@@ -32,6 +32,7 @@ from shared.techniques.pipeline_stages import (
     summed_loss,
     tied_weight,
 )
+from shared.tools.catalogue import recipe_run
 from tests.conftest import launch, load_params, load_recipe, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON, single
 from tests.probed_run import launch_probed, run_probed
@@ -159,8 +160,8 @@ def test_bubble_is_read_from_the_schedule_and_bad_counts_are_refused(tmp_path, m
 
 def _run(processes: int, n_microbatches: int, schedule: str) -> Run:
     """The rules.Run of a pipeline launch, as resolve_launch makes it."""
-    return Run(recipe="pipeline_parallel", sharding="ddp", launched="ddp", num_processes=processes,
-               microbatches=n_microbatches, flags={"schedule": f"--schedule {schedule}"})
+    return recipe_run(recipe="pipeline_parallel", sharding="ddp", launched="ddp", num_processes=processes,
+                      microbatches=n_microbatches, flags={"schedule": f"--schedule {schedule}"})
 
 
 RUNS = [*((name, "tiny") for name in ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")),

@@ -35,13 +35,16 @@ def _spelled_then(run_name: str) -> str:
 
 
 def test_every_recipe_is_planned_or_says_why_not():
-    """The catalogue (shared/core/rules.py RECIPES) is the one list of recipes: the planner's rows and the matrix's
-    runs name recipes from it, and each recipe has planner rows of its own, is modelled as another recipe
-    (catalogue.py PLANS_AS), or says why the planner has no model of it (NOT_PLANNED): exactly one of the three."""
+    """The catalogue (catalogue.recipes_support: every recipe's SUPPORT) is the one list of recipes: the planner's
+    rows and the matrix's runs name recipes from it, and each recipe has planner rows of its own, is modelled as
+    another recipe (catalogue.py PLANS_AS), or says why the planner has no model of it (NOT_PLANNED): exactly one of
+    the three."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import matrix
 
-    from shared.tools.catalogue import NOT_PLANNED, PLANS_AS, RECIPES
+    from shared.tools.catalogue import NOT_PLANNED, PLANS_AS, recipes_support
+
+    RECIPES = recipes_support()
 
     rows = [*plan.TECHNIQUES, *plan.COMBINED]
     assert all(plan.has_recipe(t) for t in rows), [t.name for t in rows if not plan.has_recipe(t)]
@@ -861,9 +864,9 @@ def test_moe_and_multi_node_layouts(capsys):
     assert any("quantizes" in w and "not nn.Linear" in w for w in by_row["qlora_4bit:bf16"][1])
     args16 = argparse.Namespace(**{**vars(args), "num_gpus": 16})  # 2 nodes of 8
     by_row = {p.row: (p, why) for p, why in plan.plan(spec, args16)}
-    from shared.core.rules import RECIPES
+    from shared.tools.catalogue import recipes_support
 
-    if plan.EXPERT_PARALLEL.recipe in RECIPES:  # the catalogue's rules weigh a modelled row too
+    if plan.EXPERT_PARALLEL.recipe in recipes_support():  # the catalogue's rules weigh a modelled row too
         assert any("experts per layer do not split over 16" in w for w in by_row["expert_parallel:bf16"][1])
     hsdp, why = by_row["hsdp:bf16"]
     assert hsdp.weights == pytest.approx(by_row["fsdp:bf16"][0].weights * 2)  # sharded over a node's 8, not 16

@@ -1,7 +1,7 @@
 """Every recipe that checkpoints resumes to the run it continues, held against the recipe catalogue
-(shared/core/rules.py RECIPES) so that a new recipe cannot be left out: it is resumed here, or named with the test
-that resumes it elsewhere (launched, several processes, most of them killed by kill -9 first), or with why it cannot
-run on this machine.
+(shared/tools/catalogue.py recipes_support) so that a new recipe cannot be left out: it is resumed here, or named
+with the test that resumes it elsewhere (launched, several processes, most of them killed by kill -9 first), or with
+why it cannot run on this machine.
 
 Here: a 4-step run that checkpoints at step 2, and a fresh run that resumes that checkpoint from its files alone (as
 after a kill -9), end on the same parameters."""
@@ -12,8 +12,10 @@ import shutil
 
 import pytest
 
-from shared.core.rules import RECIPES as CATALOGUE
+from shared.tools.catalogue import recipes_support
 from tests.conftest import ROOT, launch, run_recipe
+
+CATALOGUE = recipes_support()
 
 CHECKPOINTS = sorted(r for r in CATALOGUE if "maybe_save_checkpoint(" in (ROOT / "recipes" / f"{r}.py").read_text())
 ELSEWHERE = {  # recipe -> (test file, test function) that resumes it, exactly

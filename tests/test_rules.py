@@ -21,10 +21,17 @@ sys.path.insert(0, str(ROOT))
 
 from shared.core import rules  # noqa: E402
 from shared.core.errors import RecipeError
-from shared.core.rules import RECIPES, RULES, SHARDINGS, Run  # noqa: E402
+from shared.core.rules import RULES, SHARDINGS  # noqa: E402
+from shared.tools.catalogue import recipe_run, recipes_support  # noqa: E402
 
 # (file, function, the message's first words) -> why it is a bad input and not a combination refusal.
 BAD_INPUTS = {
+    # A launch config's FSDP settings, each honoured or refused naming it (moved from shared/core/, issue 32)
+    ("shared/techniques/fsdp_launch.py", "launch_fsdp_settings", ""): "an fsdp_* setting FSDP2 here cannot run as "
+                                                                      "written",
+    ("shared/techniques/fsdp_launch.py", "fsdp_plugin_kwargs", ""): "--cpu_offload and the launch config disagree",
+    ("shared/techniques/fsdp_launch.py", "wrap_blocks", "fsdp_transformer_layer_cls_to_wrap "): "a block class the "
+                                                                                              "model lacks",
     # A DeepSpeed JSON's or launch config's settings the loop cannot run as written (tests/test_field_configs.py)
     ("shared/techniques/deepspeed_setup.py", "_check_global_batch", "train_batch_size "): "a JSON's global batch "
                                                                                           "no micro-batch can keep",
@@ -206,13 +213,21 @@ _FACTS = [
 
 def _launch_runs():
     for recipe, (sharding, launched), n, asks in itertools.product(
-            RECIPES, [(s, s) for s in SHARDINGS] + [("zero2", "fsdp"), ("fsdp", "zero3")], (1, 2, 4), _ASKS):
-        yield Run(recipe=recipe, sharding=sharding, launched=launched, num_processes=n, **asks)
+            recipes_support(), [(s, s) for s in SHARDINGS] + [("zero2", "fsdp"), ("fsdp", "zero3")], (1, 2, 4), _ASKS):
+        yield recipe_run(recipe=recipe, sharding=sharding, launched=launched, num_processes=n, **asks)
+
+
+def test_the_recipes_a_refusal_points_to_are_the_recipes_that_say_so():
+    """The compile and --async_checkpoint refusals name recipes (shared/core/rules.py), as their SUPPORT says."""
+    catalogue = recipes_support()
+    assert set(rules.COMPILING) == {name for name, support in catalogue.items() if support.compiles}
+    assert set(rules.ASYNC_CHECKPOINTING) == {name for name, support in catalogue.items() if support.async_checkpoint}
 
 
 def test_every_rule_fires_somewhere_and_names_a_fix():
     fired: Counter = Counter()
-    runs = [*_launch_runs(), *(Run(**{"recipe": "", "sharding": "none", "launched": "none", **f}) for f in _FACTS)]
+    runs = [*_launch_runs(),
+            *(recipe_run(**{"recipe": "", "sharding": "none", "launched": "none", **f}) for f in _FACTS)]
     for run in runs:
         for i, rule in enumerate(RULES):
             if (run.recipe or rule.built) and rule.applies(run):
@@ -247,8 +262,8 @@ def test_the_sweeps_quant_storage_follows_the_table():
     import compat_sweep as compat
 
     for sharding in compat.SHARDING:
-        run = Run(recipe="combined", sharding=sharding, launched=sharding, num_processes=2, load_in="4bit",
-                  lora=True)
+        run = recipe_run(recipe="combined", sharding=sharding, launched=sharding, num_processes=2, load_in="4bit",
+                         lora=True)
         refused = any("packed in uint8" in r for r in rules.refusals(run))
         assert compat.bf16_storage_lifts_a_rule(sharding, "nf4+lora") == refused == (sharding in ("zero3", "fsdp"))
         assert not rules.refusals(replace(run, quant_storage="bfloat16"))

@@ -116,13 +116,14 @@ def test_refuses_one_process(tmp_path):
     ({"packing": "none"}, "--packing none.*equal chunks.*Use --packing concat"),
 ])
 def test_the_rule_table_refuses_what_does_not_split(changes, match):
-    from shared.core.rules import Run, check
+    from shared.core.rules import check
+    from shared.tools.catalogue import recipe_run
 
     run = dict(recipe="sequence_parallel", sharding="ddp", launched="ddp", num_processes=2, task="causal-lm",
                seq_len=128, packing="concat")
-    check(Run(**run))  # the default run trains
+    check(recipe_run(**run))  # the default run trains
     with pytest.raises(RecipeError, match=match):
-        check(Run(**{**run, **changes}))
+        check(recipe_run(**{**run, **changes}))
 
 
 def test_refuses_heads_that_do_not_split():

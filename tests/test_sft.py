@@ -292,10 +292,11 @@ SFT_REFUSED = {  # recipe -> words of its refusal of --task sft at its own launc
 
 def test_every_recipe_takes_sft_or_its_rule_refuses_it_with_the_reason():
     from shared.core import rules
+    from shared.tools.catalogue import recipe_run, recipes_support
 
-    for recipe, support in rules.RECIPES.items():
+    for recipe, support in recipes_support().items():
         sharding = support.shardings[-1] if support.min_processes > 1 else support.shardings[0]
-        run = rules.Run(recipe, sharding, sharding, num_processes=max(support.min_processes, 1), task="sft",
+        run = recipe_run(recipe, sharding, sharding, num_processes=max(support.min_processes, 1), task="sft",
                         packing="per_document", precision=support.precision or "no", offload="cpu" if
                         support.needs_offload else "none", model_given=support.needs_trained_model)
         found = " ".join(rules.refusals(run))
@@ -305,13 +306,13 @@ def test_every_recipe_takes_sft_or_its_rule_refuses_it_with_the_reason():
             assert not found, (recipe, found)
     # --packing none takes the pipelines; concat is refused for sft everywhere (conversations would be cut)
     for recipe in ("pipeline_parallel", "data_model_parallel"):
-        n = rules.RECIPES[recipe].min_processes
-        assert not rules.refusals(rules.Run(recipe, "ddp", "ddp", num_processes=n, task="sft", packing="none"))
-    found = rules.refusals(rules.Run("baseline", "none", "none", task="sft", packing="concat"))
+        n = recipes_support()[recipe].min_processes
+        assert not rules.refusals(recipe_run(recipe, "ddp", "ddp", num_processes=n, task="sft", packing="none"))
+    found = rules.refusals(recipe_run("baseline", "none", "none", task="sft", packing="concat"))
     assert found and "cut mid-answer" in found[0] and "--packing none" in found[0]
     # Mixtral's load-balancing loss cannot read per-document packing's 4-D mask (found running expert_parallel)
-    found = rules.refusals(rules.Run("expert_parallel", "ddp", "ddp", num_processes=2, task="sft",
-                                     packing="per_document", preset="tiny-moe"))
+    found = rules.refusals(recipe_run("expert_parallel", "ddp", "ddp", num_processes=2, task="sft",
+                                      packing="per_document", preset="tiny-moe"))
     assert found and "load-balancing loss" in found[0] and "Pass --packing none" in found[0]
 
 

@@ -258,10 +258,11 @@ def test_pure_bf16_is_refused_where_the_sharding_keeps_fp32_masters_of_its_own()
     bf16: param bfloat16, master and moments float32), and Accelerate's FSDP2 mixed precision upcasts: --weights_dtype
     bf16 there would not be what trained. Plain DDP and FSDP2 without mixed precision train pure bf16."""
     from shared.core import rules
+    from shared.tools.catalogue import recipe_run
 
     def refused(sharding: str, precision: str, weights: str = "bf16") -> str:
-        run = rules.Run(recipe="combined", sharding=sharding, launched=sharding, num_processes=2,
-                        precision=precision, weights=weights)
+        run = recipe_run(recipe="combined", sharding=sharding, launched=sharding, num_processes=2,
+                         precision=precision, weights=weights)
         return " ".join(rules.refusals(run))
 
     for stage in ("zero1", "zero2", "zero3"):

@@ -99,8 +99,9 @@ def test_refuses_one_process(tmp_path):
 ])
 def test_refuses_what_it_does_not_do_yet(asks, match):
     from shared.core.rules import Run, check
+    from shared.tools.catalogue import recipe_run
 
-    run = Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=2, task="causal-lm")
+    run = recipe_run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=2, task="causal-lm")
     check(run)  # the plain run trains
     with pytest.raises(RecipeError, match=match):
         check(Run(**{**run.__dict__, **asks}))

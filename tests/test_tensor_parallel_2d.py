@@ -11,6 +11,7 @@ import pytest
 from shared.core import rules
 from shared.core.errors import RecipeError
 from shared.tools import plan
+from shared.tools.catalogue import recipe_run
 from tests.conftest import launch, load_params, max_param_diff, run_recipe
 from tests.parallel_runs import COMMON
 from tests.probed_run import launch_probed
@@ -55,7 +56,7 @@ def test_tp_x_dp_trains_like_one_process_and_resumes_exactly(tmp_path):
 
 @pytest.mark.parametrize("tp, world, ok", [(2, 4, True), (4, 4, True), (0, 2, True), (3, 4, False), (1, 4, False)])
 def test_tp_size_must_divide_the_processes(tp, world, ok):
-    run = rules.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=world,
+    run = recipe_run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=world,
                      tensor_parallel_size=tp, flags={"tensor_parallel_size": "--tp_size"})
     if ok:
         rules.check(run)
@@ -68,11 +69,11 @@ def test_accelerate_parallelism_config_on_cpu_is_refused_with_the_alternative():
     env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2",
            "PARALLELISM_CONFIG_CP_SIZE": "2", "WORLD_SIZE": "4"}
     assert rules.launched_parallelism(env) == "tp=2 cp=2" and rules.launched_parallelism({}) == ""
-    run = rules.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=4, on_accelerator=False,
+    run = recipe_run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=4, on_accelerator=False,
                      parallelism_config=rules.launched_parallelism(env))
     with pytest.raises(RecipeError, match="ParallelismConfig.*CPU.*context parallel.*sdpa.*--tp_size N.*tp2_dp2"):
         rules.check(run)
-    rules.check(rules.Run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=4,
+    rules.check(recipe_run(recipe="tensor_parallel", sharding="ddp", launched="ddp", num_processes=4,
                             parallelism_config="tp=2"))  # on GPUs the table leaves it to Accelerate
 
 

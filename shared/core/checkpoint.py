@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import rules, rundir
+from . import rundir
 from .accelerate_compat import prepared_models, prepared_schedulers
 from .boundary import diagnose, loading
 from .errors import CheckpointError, InputError, RunFinished
@@ -688,7 +688,7 @@ def reshard(launch: Launch, path: Path, saved: dict, run: dict, micro_batches: i
     def batch(r: dict) -> int:  # noqa: E306 (samples per optimizer step)
         return r["per_device_train_batch_size"] * r["gradient_accumulation_steps"] * (
             r.get("data_parallel_size") or r["num_processes"])
-    if not rules.RECIPES[launch.recipe].reshards:
+    if not launch.run.support.reshards:
         fix = f"recipes/{launch.recipe}.py resumes only on the layout that wrote it: resume with that run's settings"
     elif batch(saved) != batch(run):
         per = batch(saved) / batch({**run, "per_device_train_batch_size": 1})

@@ -24,9 +24,14 @@ from . import quiet, rules, rundir
 from .args import FROM_SCRATCH_LR, PRETRAINED_LR
 from .boundary import debugging
 from .errors import CheckpointError, LaunchError, RecipeError, RunFinished
-from .fsdp_launch import force_fsdp_on_cpu, fsdp_plugin_kwargs
 
 logger = logging.getLogger("recipes")
+
+# FSDP is a technique: a recipe that runs it imports shared/techniques/fsdp_launch.py, which fills these in: the
+# launch config's FSDP settings as a checked plugin ("plugin"), FSDP2 forced on a CPU-only machine ("force_on_cpu"),
+# one FSDP unit per block ("wrap_blocks", load_task). A recipe that never runs FSDP carries none of it: the rule
+# table refuses its FSDP launch.
+FSDP_STEPS: dict[str, Callable[..., object]] = {}
 
 
 def entrypoint(main: Callable[..., dict | None]) -> Callable[..., dict | None]:
@@ -177,9 +182,13 @@ class Launch:
         return {name: getattr(self, name) for name in names}
 
 
+_PLAIN_LOOP = rules.Support()  # one process or DDP: what a loop of one's own runs under
+
+
 def resolve_launch(
     args: argparse.Namespace,
     recipe: str,
+    support: rules.Support = _PLAIN_LOOP,
     *,
     deepspeed_config: dict | None = None,
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
@@ -190,10 +199,12 @@ def resolve_launch(
     reads the flags, the environment and the disk, and changes none of them (the recipe then calls claim_output_dir
     and configure_process).
 
-    `args` is left as typed: the resolved values are the returned Launch's. `deepspeed_config` / `fsdp_plugin`: the
-    sharding the recipe itself sets up (a DeepSpeed config from deepspeed_setup.resolve_deepspeed_config, whose
-    agreed precision, batch, accumulation and clipping the run then uses). `asks`: the recipe's techniques as
-    `rules.Run` fields, with `flags` saying how the recipe spells them, so a refusal names the user's own flags.
+    `support`: what the recipe runs under (its SUPPORT); the default, a plain loop's (one process or DDP), serves a
+    loop of one's own. `args` is left as typed: the resolved values are the returned Launch's. `deepspeed_config` /
+    `fsdp_plugin`: the sharding the recipe itself sets up (a DeepSpeed config from
+    deepspeed_setup.resolve_deepspeed_config, whose agreed precision, batch, accumulation and clipping the run then
+    uses). `asks`: the recipe's techniques as `rules.Run` fields, with `flags` saying how the recipe spells them, so a
+    refusal names the user's own flags.
     """
     quiet.silence_known_noise()  # before DeepSpeed, torchao and bitsandbytes are first imported
     check_leftover_accelerate(args)  # before the rule table, which would blame a launch config there is none of
@@ -228,12 +239,15 @@ def resolve_launch(
                      accumulation=accumulation, max_grad_norm=clipping, compile=torch_compile, lone_launch=lone,
                      packing=args.packing if args.task == "causal-lm" or "packing" in args.explicit_flags else
                      "per_document" if args.task == "sft" else "none",  # sft: whole conversations, kept apart
-                     parallelism_config=rules.launched_parallelism(os.environ),
+                     parallelism_config=rules.launched_parallelism(os.environ), support=support,
                      async_checkpoint=args.async_checkpoint, weights=args.weights_dtype,
                      preset="" if args.model_name_or_path else args.model_preset, **{"task": args.task, **asks})
     rules.check(run)  # the rule table: refused here, with the reason and the fix
+    if sharding == "fsdp" and not FSDP_STEPS:
+        raise RecipeError(f"recipes/{recipe}.py runs FSDP and does not import shared/techniques/fsdp_launch.py, "
+                          "which checks the launch config's FSDP settings: import it.")
     if launched == "fsdp" and fsdp_plugin is None:  # the launch config's FSDP settings, checked; the recipe passes it
-        fsdp_plugin = FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs(args))
+        fsdp_plugin = FSDP_STEPS["plugin"](args)
     check_environment(mixed_precision, uses_deepspeed=sharding.startswith("zero"))
     home = Path(os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
                                                   "huggingface"))  # datasets and Transformers cache what they load
@@ -265,7 +279,7 @@ def resolve_launch(
     elif on_cpu and world > 1:
         if sharding == "fsdp":
             # Accelerate never enables FSDP without GPUs (the replicas would train unsynced): start a gloo group
-            # here and force FSDP2 once the Accelerator exists (start_run, shared/core/fsdp_launch.py).
+            # here and force FSDP2 once the Accelerator exists (start_run, shared/techniques/fsdp_launch.py).
             process_group.backend = "gloo"
         else:
             # A MULTI_GPU config with `use_cpu: true` gives real gloo DDP only with cpu=True in the script;
@@ -304,7 +318,7 @@ def start_run(accelerator: Accelerator, launch: Launch) -> None:
     start logging, seeding and trackers."""
     run = launch.run
     if not has_accelerator() and run.num_processes > 1 and run.sharding == "fsdp":
-        force_fsdp_on_cpu(accelerator, launch.fsdp_plugin)
+        FSDP_STEPS["force_on_cpu"](accelerator, launch.fsdp_plugin)
     if accelerator.num_processes != run.num_processes:
         raise LaunchError(
             f"{run.num_processes} processes were launched but Accelerate sees {accelerator.num_processes} "

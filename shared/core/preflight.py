@@ -12,7 +12,7 @@ import torch
 
 from .measure import stepping_optimizer
 from .results import end_run
-from .rules import RECIPES, offload_of, offload_params_of, sharding_of
+from .rules import offload_of, offload_params_of, sharding_of
 
 if TYPE_CHECKING:
     from .launch import Launch
@@ -60,7 +60,7 @@ def report(accelerator, launch: Launch, task, model, optimizer, max_steps: int |
         "per_device_train_batch_size": launch.per_device_train_batch_size,
         # (sequence parallel: the processes split each sequence, not the samples)
         "global_batch_size": launch.per_device_train_batch_size * launch.gradient_accumulation_steps
-        * (1 if recipe in RECIPES and RECIPES[recipe].splits_sequence else accelerator.num_processes),
+        * (1 if launch.run.support.splits_sequence else accelerator.num_processes),
         "max_train_steps": max_steps,
         "learning_rate": launch.learning_rate,
         "optimizer": None if optimizer is None else type(stepping_optimizer(optimizer)).__name__,  # None: PTQ

@@ -3,9 +3,11 @@ loads (`check(run)`; `check_built` for facts of the built model), with the reaso
 flag names. Each rule was found by running the combination (benchmarks/compat_sweep.py, tests/test_launch_grid.py):
 it replaces a crash deep inside a library, or a run that would silently train something other than was asked.
 
-Here: the machinery, the catalogue of what each recipe runs under, and the rules any recipe can meet (launch,
-sharding, process count, precision, the common flags). A technique's own rules live in its module
-(shared/techniques/*.py), which adds them with `register(...)` when imported, with the `Run` fields they read."""
+Here: the machinery, and the rules any recipe can meet (launch, sharding, process count, precision, the common
+flags), which read what the running recipe says it runs under: its `SUPPORT = Support(...)`, beside `RECIPE` in
+recipes/<name>.py, passed to resolve_launch and held on the Run (shared/tools/catalogue.py gathers every recipe's,
+for the tools and tests). A technique's own rules live in its module (shared/techniques/*.py), which adds them with
+`register(...)` when imported, with the `Run` fields they read."""
 
 from __future__ import annotations
 
@@ -48,96 +50,10 @@ class Support:
     async_checkpoint: bool = False  # its checkpoints are DCP shards, which async_save writes in the background
 
 
-_NO = {  # --torch_compile: why these recipes refuse it (the others: not run compiled here yet)
-    "model_parallel": ("its model is left out of accelerator.prepare() (it places the blocks over the devices itself), "
-                       "so nothing would compile it"),
-    "pipeline_parallel": ("its stages run through torch.distributed.pipelining, outside accelerator.prepare(), so "
-                          "nothing would compile them"),
-    "data_model_parallel": ("its stages run through torch.distributed.pipelining, outside accelerator.prepare(), so "
-                            "nothing would compile them"),
-    "tensor_parallel": ("its blocks are split with parallelize_module outside accelerator.prepare(), so nothing would "
-                        "compile them (DTensor blocks under inductor were not run here)"),
-    "expert_parallel": ("its model is distributed by Transformers' expert-parallel and FSDP2 plans outside "
-                        "accelerator.prepare(), so nothing would compile it (all-to-all dispatch under inductor was "
-                        "not run here)"),
-    "zero": ("under DeepSpeed, Accelerate compiles the engine's module in place (engine.compile), which has not been "
-             "run on this stack"),
-    "zero3_offload": ("under DeepSpeed, Accelerate compiles the engine's module in place (engine.compile), which has "
-                      "not been run on this stack"),
-}
-_SHARDED = "recipes/zero.py (ZeRO), recipes/fsdp.py (FSDP) or recipes/combined.py (this technique with sharding)"
-_ONE_OR_DDP = "a single process or DDP (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml)"
-RECIPES: dict[str, Support] = {
-    "baseline": Support(compiles=True, instead=_SHARDED, reshards=True),
-    "mixed_precision": Support(compiles=True, instead=_SHARDED),
-    # Accumulation keeps one micro-batch's activations at a time; DDP replicas each hold what the baseline holds.
-    "gradient_accumulation": Support(compiles=True, accumulates=True, instead=_SHARDED, reshards=True),
-    "activation_checkpointing": Support(compiles=True, instead="recipes/combined.py --gradient_checkpointing"),
-    "data_parallel": Support(compiles=True, instead=_SHARDED, reshards=True),
-    "optim_8bit": Support(instead="recipes/combined.py --optim adamw_bnb_8bit (ZeRO-1/2 without offload)"),
-    # torchao's optimizers train under DDP and FSDP2 (benchmarks/compat_sweep.py); ZeRO: see the rule below.
-    "optim_low_bit": Support(shardings=(*_CLASSIC, "fsdp"), instead="accelerate_configs/multi_cpu.yaml (DDP), "
-                             "fsdp.yaml or fsdp_offload.yaml (FSDP2)"),
-    "pruning": Support(instead=_ONE_OR_DDP),
-    "qat": Support(instead=_ONE_OR_DDP),
-    "ptq": Support(shardings=("none",), max_processes=1, instead="`python recipes/ptq.py` (one process)",
-                   needs_trained_model=True),
-    "model_parallel": Support(no_compile=_NO["model_parallel"], shardings=("none",), max_processes=1,
-                              instead="recipes/data_model_parallel.py for stages with data-parallel replicas"),
-    "pipeline_parallel": Support(shardings=("ddp",), min_processes=2, instead="accelerate_configs/pipeline.yaml",
-                                 own_attention_mask=True, no_compile=_NO["pipeline_parallel"]),
-    "data_model_parallel": Support(no_compile=_NO["data_model_parallel"], shardings=("ddp",), min_processes=4,
-                                   instead="accelerate_configs/data_model_parallel.yaml", own_attention_mask=True),
-    # Tensor parallel (recipes/tensor_parallel.py): one TP group of all processes, or --tp_size N groups with FSDP2
-    # across them on a (dp, tp) mesh it builds itself; the launch is a plain multi-process one.
-    "tensor_parallel": Support(no_compile=_NO["tensor_parallel"], shardings=("ddp",), min_processes=2,
-                               no_fp16="its loss scaler is not wired to the sharded gradients",
-                               instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
-                                       "the tensor-parallel degree), or tp2_dp2.yaml with --tp_size 2 (TP x FSDP2)",
-                               async_checkpoint=True, reshards=True),
-    # Ulysses sequence parallel over all processes (recipes/sequence_parallel.py): each holds a chunk of every sequence.
-    "sequence_parallel": Support(shardings=("ddp",), min_processes=2, splits_sequence=True,
-                                 instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
-                                         "the sequence-parallel degree)"),
-    # Expert parallel (recipes/expert_parallel.py): the experts split over all processes, tokens sent to them by
-    # all-to-all, the dense weights FSDP2-sharded over the same processes, each reading its own batches.
-    "expert_parallel": Support(no_compile=_NO["expert_parallel"], shardings=("ddp",), min_processes=2,
-                               no_fp16="its loss scaler is not wired to the sharded gradients",
-                               instead="accelerate_configs/multi_cpu.yaml or multi_gpu.yaml (2 or more processes: "
-                                       "the expert-parallel degree, a divisor of the experts per layer)",
-                               async_checkpoint=True),
-    "zero": Support(shardings=_ZERO, accumulates=True, instead="accelerate_configs/zero1.yaml, zero2.yaml, zero3.yaml",
-                    no_compile=_NO["zero"], reshards=True),
-    "zero3_offload": Support(no_compile=_NO["zero3_offload"], shardings=_ZERO, accumulates=True, needs_offload=True,
-                             instead="accelerate_configs/zero3_offload.yaml, zero2_offload.yaml or zero3_nvme.yaml"),
-    "fsdp": Support(shardings=("fsdp",), min_processes=2, instead="accelerate_configs/fsdp.yaml or fsdp_offload.yaml "
-                    "(hsdp.yaml: HSDP)", async_checkpoint=True, reshards=True),  # SHARDED_STATE_DICT: DCP reshards
-    "qlora": Support(shardings=SHARDINGS),
-    # Saved-tensor hooks around forward: one process, DDP and FSDP2 run (tests/test_activation_offloading.py).
-    "activation_offloading": Support(shardings=(*_CLASSIC, "fsdp"),
-                                     instead="one process, accelerate_configs/multi_cpu.yaml (DDP) or fsdp.yaml",
-                                     why_not="its saved-tensor hooks have not been run with DeepSpeed's engine here"),
-    "combined": Support(shardings=SHARDINGS),
-    # The head module's own hooks gather it (tests/test_chunked_loss.py).
-    "chunked_loss": Support(shardings=SHARDINGS),
-    # One process only (sharding "none" is never launched with more), found by running DDP over gloo with the hooks:
-    # tests/test_optimizer_in_backward.py.
-    "optimizer_in_backward": Support(
-        shardings=("none",),
-        instead="one process (`accelerate launch recipes/optimizer_in_backward.py`, accelerate_configs/"
-                "single_process.yaml or bf16.yaml); over several processes, recipes/zero.py (ZeRO-2) or "
-                "recipes/fsdp.py shard the gradients instead",
-        why_not="its hooks step each parameter on this process's own gradient, before DDP's all-reduce has averaged "
-                "it (measured on gloo: the replicas differ after one step, and DDP's buckets still hold the whole "
-                "model's gradients, so nothing is saved); ZeRO and FSDP reduce gradients their own way, and the hooks "
-                "are not wired to them here"),
-    # Accelerate's fp8 with torchao: one process and DDP over gloo measured (tests/test_fp8.py). FSDP2 (float8
-    # all-gather of DTensor shards) and DeepSpeed were not run on this stack: refused rather than assumed.
-    "fp8": Support(precision="fp8", instead="one process or DDP (accelerate_configs/single_process.yaml, "
-                   "multi_cpu.yaml, multi_gpu.yaml)",
-                   why_not="FP8 under FSDP2 or DeepSpeed has not been run here (torchao's float8 all-gather of "
-                           "FSDP2 shards is the route to try on a GPU)"),
-}
+# The recipes a refusal points to: the ones that compile, and the ones whose checkpoints are DCP shards (each
+# recipe's SUPPORT says it of itself; tests/test_rules.py holds these to them).
+COMPILING = ("baseline", "mixed_precision", "gradient_accumulation", "activation_checkpointing", "data_parallel")
+ASYNC_CHECKPOINTING = ("tensor_parallel", "expert_parallel", "fsdp")
 
 
 @dataclass(frozen=True, init=False)
@@ -170,6 +86,7 @@ class Run:
     preset: str = ""  # --model_preset when no --model_name_or_path is given ("": a given model)
     weights: str = "fp32"  # --weights_dtype: fp32 | bf16 | auto
     no_router_loss: str = ""  # built: the MoE model class of the task that returns no router aux_loss ("": none)
+    support: Support | None = None  # the recipe's SUPPORT (what it runs under), read by the generic rules
     flags: Mapping[str, str] = field(default_factory=dict)
     extra: Mapping[str, object] = field(default_factory=dict)  # the techniques' fields (FIELDS), as given
 
@@ -234,40 +151,40 @@ RULES: list[Rule] = [
          lambda r: f"the launch config asks for {launch_words(r)}, and recipes/{r.recipe}.py runs "
                    f"{'DeepSpeed' if _kind(r.sharding) == 'zero' else 'FSDP'} itself",
          lambda r: "launch it with a plain config (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml) or one of "
-                   f"its own kind ({RECIPES[r.recipe].instead})"),
-    Rule(lambda r: r.sharding not in RECIPES[r.recipe].shardings,
+                   f"its own kind ({r.support.instead})"),
+    Rule(lambda r: r.sharding not in r.support.shardings,
          lambda r: f"recipes/{r.recipe}.py does not implement {launch_words(r)}, which the launch config asks for; "
-                   f"{RECIPES[r.recipe].why_not or 'it would crash or train something else'}",
-         lambda r: f"use {RECIPES[r.recipe].instead}"),
-    Rule(lambda r: r.num_processes < RECIPES[r.recipe].min_processes,
-         lambda r: f"recipes/{r.recipe}.py needs at least {RECIPES[r.recipe].min_processes} processes, and "
+                   f"{r.support.why_not or 'it would crash or train something else'}",
+         lambda r: f"use {r.support.instead}"),
+    Rule(lambda r: r.num_processes < r.support.min_processes,
+         lambda r: f"recipes/{r.recipe}.py needs at least {r.support.min_processes} processes, and "
                    f"{_processes(r.num_processes)} launched",
-         lambda r: f"launch it with {RECIPES[r.recipe].instead}"),
-    Rule(lambda r: (RECIPES[r.recipe].max_processes or r.num_processes) < r.num_processes,
+         lambda r: f"launch it with {r.support.instead}"),
+    Rule(lambda r: (r.support.max_processes or r.num_processes) < r.num_processes,
          lambda r: f"recipes/{r.recipe}.py runs in one process that drives all its devices, and "
                    f"{_processes(r.num_processes)} launched",
-         lambda r: f"use {RECIPES[r.recipe].instead}"),
-    Rule(lambda r: RECIPES[r.recipe].needs_offload and r.offload == "none",
+         lambda r: f"use {r.support.instead}"),
+    Rule(lambda r: r.support.needs_offload and r.offload == "none",
          lambda r: f"recipes/{r.recipe}.py shows offload, and the launch config offloads nothing",
-         lambda r: f"use {RECIPES[r.recipe].instead}, or recipes/zero.py for ZeRO without offload"),
-    Rule(lambda r: RECIPES[r.recipe].precision not in ("", r.precision),
+         lambda r: f"use {r.support.instead}, or recipes/zero.py for ZeRO without offload"),
+    Rule(lambda r: r.support.precision not in ("", r.precision),
          lambda r: f"mixed precision {r.precision!r} (from --mixed_precision or the launch config): "
-                   f"recipes/{r.recipe}.py trains in {RECIPES[r.recipe].precision} only",
+                   f"recipes/{r.recipe}.py trains in {r.support.precision} only",
          lambda r: "drop --mixed_precision and use a launch config with mixed_precision 'no' (accelerate_configs/"
                    "single_process.yaml, multi_cpu.yaml), or recipes/mixed_precision.py for fp16 / bf16"),
-    Rule(lambda r: r.compile != "none" and not RECIPES[r.recipe].compiles,
+    Rule(lambda r: r.compile != "none" and not r.support.compiles,
          lambda r: f"--torch_compile {r.compile} (the flag or the launch config's dynamo_config): "
                    f"recipes/{r.recipe}.py does not compile its model: "
-                   f"{RECIPES[r.recipe].no_compile or 'it has not been run compiled here'}",
+                   f"{r.support.no_compile or 'it has not been run compiled here'}",
          lambda r: "drop --torch_compile (and set dynamo_backend: NO in the launch config), or use a recipe that "
-                   "compiles: " + ", ".join(f"recipes/{n}.py" for n, s in RECIPES.items() if s.compiles)),
-    Rule(lambda r: r.async_checkpoint and not RECIPES[r.recipe].async_checkpoint,
+                   "compiles: " + ", ".join(f"recipes/{n}.py" for n in COMPILING)),
+    Rule(lambda r: r.async_checkpoint and not r.support.async_checkpoint,
          lambda r: f"--async_checkpoint: recipes/{r.recipe}.py writes its checkpoints with torch.save / safetensors "
                    "(or DeepSpeed's own writer), not torch.distributed.checkpoint, whose async_save is what writes "
                    "one in the background",
          lambda r: "drop --async_checkpoint, or use a recipe whose checkpoints are DCP shards: " + ", ".join(
-             f"recipes/{n}.py" for n, s in RECIPES.items() if s.async_checkpoint)),
-    Rule(lambda r: r.accumulation > 1 and not RECIPES[r.recipe].accumulates and r.optimizer != "adamw_in_backward"
+             f"recipes/{n}.py" for n in ASYNC_CHECKPOINTING)),
+    Rule(lambda r: r.accumulation > 1 and not r.support.accumulates and r.optimizer != "adamw_in_backward"
          and not getattr(r, "in_backward", False) and not getattr(r, "microbatches", 0),
          lambda r: f"--gradient_accumulation_steps {r.accumulation}: recipes/{r.recipe}.py does not accumulate "
                    "gradients (Accelerate would still divide every loss by it)",
@@ -296,7 +213,7 @@ RULES: list[Rule] = [
     Rule(lambda r: r.attention.startswith("flash_attention") and not r.on_accelerator,
          lambda r: f"--attn_implementation {r.attention} runs on CUDA GPUs only, and this machine has none",
          lambda r: "pass --attn_implementation sdpa (or eager), or leave it unset"),
-    Rule(lambda r: r.packing == "per_document" and RECIPES[r.recipe].own_attention_mask,
+    Rule(lambda r: r.packing == "per_document" and r.support.own_attention_mask,
          lambda r: f"--packing per_document: recipes/{r.recipe}.py runs the model through its own pipeline stages, "
                    "whose plain causal mask would let packed documents attend to each other",
          lambda r: "use --packing none with it" if r.task == "sft" else "use --packing concat or --packing none"),
@@ -325,10 +242,10 @@ RULES: list[Rule] = [
                    "its own, so the weights would not train in bf16",
          lambda r: "pass --weights_dtype fp32 (fp32 masters, which this sharding keeps anyway)"
                    + (", or --mixed_precision no for pure bf16 under FSDP2" if r.sharding == "fsdp" else "")),
-    Rule(lambda r: bool(RECIPES[r.recipe].no_fp16) and r.precision == "fp16",
-         lambda r: f"fp16 with recipes/{r.recipe}.py: {RECIPES[r.recipe].no_fp16}",
+    Rule(lambda r: bool(r.support.no_fp16) and r.precision == "fp16",
+         lambda r: f"fp16 with recipes/{r.recipe}.py: {r.support.no_fp16}",
          lambda r: "use --mixed_precision bf16 or no"),
-    Rule(lambda r: RECIPES[r.recipe].needs_trained_model and not r.model_given,
+    Rule(lambda r: r.support.needs_trained_model and not r.model_given,
          lambda r: f"recipes/{r.recipe}.py quantizes a trained model, and no --model_name_or_path was passed (a "
                    "fresh preset has learned nothing to keep)",
          lambda r: "pass --model_name_or_path (e.g. the output_dir of recipes/baseline.py)"),
@@ -369,8 +286,9 @@ def register(*rules: Rule, fields: Mapping[str, object] | None = None, first: bo
 
 def refusals(run: Run) -> list[str]:
     """Every rule the run breaks, as 'problem. Fix: ...' sentences (empty: it trains)."""
-    if run.recipe not in RECIPES:
-        return [f"recipes/{run.recipe}.py is not in shared/core/rules.py's RECIPES table. Fix: add its row there."]
+    if run.support is None:
+        return [f"recipes/{run.recipe}.py passed no Support to resolve_launch. Fix: declare SUPPORT = Support(...) "
+                "beside RECIPE and pass it: resolve_launch(args, RECIPE, SUPPORT)."]
     unknown = sorted(run.extra.keys() - FIELDS.keys())
     if unknown:  # a technique's fields, and its module (its rules) not imported
         raise TypeError(f"Run fields no imported technique registered: {unknown}")

@@ -19,7 +19,7 @@ from accelerate.utils.ao import find_first_last_linear_layers
 
 from ..core import rules
 from ..core.errors import LaunchError
-from ..core.rules import RECIPES, Rule, Support
+from ..core.rules import Rule
 from . import quant  # noqa: F401  (its rule on weights outside nn.Linear)
 
 FIRST_LAST = "first or last Linear"
@@ -91,8 +91,8 @@ def fp8_summary(accelerator: Accelerator, model: torch.nn.Module) -> dict:
 # The refusals of this technique, in the rule table (shared/core/rules.py) once this module is imported.
 RULES = (
     # Accelerate turns fp8 into fp16 on a GPU older than Ada/Hopper with a warning, no error.
-    Rule(lambda r: bool(r.resolved_precision) and RECIPES.get(r.recipe, Support()).precision == "fp8"
-         and (r.resolved_precision != "fp8" or r.fp8_backend != "AO"),
+    # (resolved_precision: given by check_fp8_resolved alone, in a recipe that asked for fp8)
+    Rule(lambda r: bool(r.resolved_precision) and (r.resolved_precision != "fp8" or r.fp8_backend != "AO"),
          lambda r: f"recipes/{r.recipe}.py asked for fp8 with torchao, and Accelerate resolved mixed_precision="
                    f"{r.resolved_precision!r}, backend {r.fp8_backend}: this device has no FP8 support (a GPU needs "
                    "compute capability 8.9+: Ada or Hopper)",

@@ -16,9 +16,9 @@ import torch
 from accelerate import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
 
 from ..core import rules
-from ..core.fsdp_launch import force_fsdp_on_cpu
 from ..core.launch import has_accelerator
 from ..core.rules import Rule, Run
+from .fsdp_launch import force_fsdp_on_cpu
 
 
 @dataclass
@@ -27,9 +27,9 @@ class GlooParallelismConfig(ParallelismConfig):
 
     Why: Accelerator(...) validates its parallelism_config right after building the state, and refuses any
     distributed type but FSDP2 / MULTI_GPU-like / DeepSpeed; without GPUs the state is never FSDP (the same gap
-    shared/core/fsdp_launch.py closes for plain FSDP2, there after the constructor, too late here). Forcing FSDP2 first
-    leaves the rest as Accelerate does it on GPUs: the mesh (init_device_mesh("cpu") over the gloo group), its
-    validation, and fully_shard on the 2-D mesh in prepare(). Accelerate 1.15, torch 2.13.
+    shared/techniques/fsdp_launch.py closes for plain FSDP2, there after the constructor, too late here). Forcing
+    FSDP2 first leaves the rest as Accelerate does it on GPUs: the mesh (init_device_mesh("cpu") over the gloo
+    group), its validation, and fully_shard on the 2-D mesh in prepare(). Accelerate 1.15, torch 2.13.
     """
 
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None

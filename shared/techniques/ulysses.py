@@ -21,7 +21,7 @@ from torch import nn
 from ..core import rules
 from ..core.attention import attention_features
 from ..core.losses import IGNORE, shift_labels, summed_cross_entropy
-from ..core.rules import RECIPES, Rule, unsplit
+from ..core.rules import Rule, unsplit
 
 # attention_features the local attention keeps (each per query, key or head); others (chunked or linear-attention
 # layers) are refused by name
@@ -168,18 +168,18 @@ def loss(model: nn.Module, chunk: dict, num_items: torch.Tensor | float, task: o
 # The refusals of this technique, in the rule table (shared/core/rules.py) once this module is imported.
 RULES = (
     # Sequence parallel (recipes/sequence_parallel.py): each process runs its chunk of every causal-LM sequence.
-    Rule(lambda r: RECIPES[r.recipe].splits_sequence and r.task not in ("", "causal-lm"),
+    Rule(lambda r: r.support.splits_sequence and r.task not in ("", "causal-lm"),
          lambda r: f"--task {r.task}: recipes/{r.recipe}.py splits concatenated causal-LM blocks (its attention is "
                    "causal over the gathered sequence, its loss next-token)" + (
                        "; sft's whole conversations need a per-document mask (packed) or padding (one per row), "
                        "which its chunks do not exchange" if r.task == "sft" else ""),
          lambda r: "pass --task causal-lm, or use recipes/data_parallel.py for this task"),
-    Rule(lambda r: RECIPES[r.recipe].splits_sequence and r.seq_len and r.seq_len % r.num_processes,
+    Rule(lambda r: r.support.splits_sequence and r.seq_len and r.seq_len % r.num_processes,
          lambda r: f"--max_seq_length {r.seq_len} does not split into {r.num_processes} equal chunks (one per "
                    "process)",
          lambda r: f"pass a multiple of {r.num_processes}, e.g. --max_seq_length "
                    f"{max(r.num_processes, r.seq_len - r.seq_len % r.num_processes)}"),
-    Rule(lambda r: RECIPES[r.recipe].splits_sequence and r.task == "causal-lm" and r.packing != "concat",
+    Rule(lambda r: r.support.splits_sequence and r.task == "causal-lm" and r.packing != "concat",
          lambda r: f"--packing {r.packing}: recipes/{r.recipe}.py attends causally over whole packed blocks, and "
                    + ("per-document masks are not exchanged between the chunks" if r.packing == "per_document" else
                       "padded samples of varying length do not split into equal chunks"),

@@ -355,9 +355,9 @@ def extra_configs(recipe: str, named: list[Path], root: Path = ROOT) -> list[Pat
     """Launch configs a copy gets beyond those its docstring names: every recipe that trains in several processes
     gets multi_cpu.yaml (2 processes over gloo, the form for a CPU-only machine), and one that names no multi-GPU
     launch gets multi_gpu.yaml. Which recipes run multi-process, and with how many, is the rule table's word."""
-    from ..core.rules import RECIPES
+    from .catalogue import recipes_support
 
-    support = RECIPES.get(recipe)
+    support = recipes_support().get(recipe)
     if support is None or support.max_processes == 1 or support.shardings == ("none",):
         return []  # one process only (or a recipe file of the user's, which the table does not know)
     names = {p.name for p in named}
@@ -536,9 +536,10 @@ def _ours(dest: Path, rel: str, manifest: dict[str, dict], recipe: str | None = 
 def _readme(c: Copy, doc: str, core_files: list[str]) -> bytes:
     # What the recipe is: the docstring's first paragraph (its first line can stop mid-sentence).
     first = " ".join(doc.strip().split("\n\n")[0].split()) if doc.strip() else c.recipe
-    from ..core.rules import RECIPES
+    from .catalogue import recipes_support
 
-    least = RECIPES[c.recipe].min_processes if c.recipe in RECIPES else 1
+    known = recipes_support()
+    least = known[c.recipe].min_processes if c.recipe in known else 1
     alone = (f"refused: it needs {least} or more processes (a line below)" if least > 1 else
              "1 process (a GPU if there is one, else the CPU)")
     lines = [(f"python {c.recipe}.py", alone)]
@@ -555,7 +556,7 @@ def _readme(c: Copy, doc: str, core_files: list[str]) -> bytes:
         notes.append("Each `accelerate launch` line starts the `num_processes` processes its config names, on this "
                      "machine (the comment on the line gives the number); `--num_processes N` after `launch` "
                      "overrides it.")
-    elif c.recipe in RECIPES:  # the table's one-process recipes (a recipe of the user's: its docstring named none)
+    elif c.recipe in known:  # the table's one-process recipes (a recipe of the user's: its docstring named none)
         notes.append("This recipe trains in one process (the recipes' rule table refuses more), so no launch config "
                      "comes with it: `python` is the whole command, on a CPU-only machine as on a GPU.")
     for cfg in big:

@@ -9,7 +9,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from ..core import rules
-from . import catalogue  # noqa: F401  (every technique's rules)
+from . import catalogue  # every technique's rules; the recipes' SUPPORT
 from .plan import (
     LAUNCHES,
     TORCHAO_STATES,
@@ -110,7 +110,8 @@ def run_of(flags: dict[str, str], config: str | None) -> rules.Run:
     tech, precision = technique(flags, config)
     sharding = tech.sharding if config else "none"
     return rules.Run(
-        recipe="combined", sharding=sharding, launched=sharding, offload=tech.offload,
+        recipe="combined", support=catalogue.recipes_support()["combined"], sharding=sharding, launched=sharding,
+        offload=tech.offload,
         num_processes=2 if config else 1, precision="no" if precision == "fp32" else precision,
         load_in=tech.load_in, lora=tech.lora, optimizer=tech.optimizer, in_backward="--optimizer_in_backward" in flags,
         checkpointing=tech.checkpointing, checkpoint_policy=flags.get("--checkpointing_policy", "full"),

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core import quiet, rules
-from .catalogue import NOT_PLANNED
+from .catalogue import NOT_PLANNED, recipes_support
 from .model_configs import KNOWN_CONFIGS, known_config
 
 GB = 10**9
@@ -697,7 +697,7 @@ class Technique:
     are shared/core/rules.py's Run fields, in its words (compat_run passes them on as they are)."""
 
     name: str
-    recipe: str  # a key of shared/core/rules.py's RECIPES ("": no recipe runs this layout yet)
+    recipe: str  # recipes/<recipe>.py (its SUPPORT: catalogue.recipes_support) ("": no recipe runs this layout yet)
     config: str | None  # accelerate_configs/<config>; None: the data-parallel config for --num_gpus
     sharding: str = "ddp"  # ddp (one process: none) | zero1 | zero2 | zero3 | fsdp
     offload: str = "none"  # none | cpu | nvme: where the optimizer state (and with offload_params, the weights) go
@@ -867,21 +867,21 @@ def search_space(spec: ModelSpec, num_gpus: int, gpus_per_node: int) -> list[Tec
 
 
 def has_recipe(tech: Technique) -> bool:
-    """The recipe is in this checkout and in rules.py's catalogue (expert_parallel: being written)."""
+    """The recipe is in this checkout and in the catalogue (expert_parallel: being written)."""
     return _recipe_here(tech.recipe)
 
 
 @functools.cache
 def _recipe_here(recipe: str) -> bool:
-    """In rules.py's catalogue, in this checkout, and not in catalogue.py's NOT_PLANNED (the catalogue decides)."""
-    return (bool(recipe) and recipe in rules.RECIPES and recipe not in NOT_PLANNED
+    """A recipe of the catalogue (recipes_support), in this checkout, and not in catalogue.py's NOT_PLANNED."""
+    return (bool(recipe) and recipe in recipes_support() and recipe not in NOT_PLANNED
             and (CONFIGS.parent / "recipes" / f"{recipe}.py").exists())
 
 
 def _no_recipe_reason(tech: Technique) -> str:
     if not tech.recipe:
         return "modelled only; no recipe runs this layout yet"
-    if tech.recipe in rules.RECIPES and tech.recipe in NOT_PLANNED:
+    if tech.recipe in recipes_support() and tech.recipe in NOT_PLANNED:
         return f"shared/tools/catalogue.py marks recipes/{tech.recipe}.py not planned ({NOT_PLANNED[tech.recipe]})"
     return f"recipes/{tech.recipe}.py is not in this checkout yet"
 
@@ -1275,7 +1275,8 @@ def compat_run(tech: Technique, precision: str, num_processes: int, task: str = 
                          linear_only=f"quantizes (bitsandbytes, --load_in {tech.load_in})")
         if tech.loss_chunk:
             built.update(logit_transform=facts.logit_transform)
-    return rules.Run(recipe=tech.recipe, sharding=sharding, launched=sharding, offload=tech.offload,
+    return rules.Run(recipe=tech.recipe, support=recipes_support().get(tech.recipe), sharding=sharding,
+                     launched=sharding, offload=tech.offload,
                      num_processes=num_processes, precision="no" if precision == "fp32" else precision,
                      load_in=tech.load_in, quant_storage=tech.quant_storage, lora=tech.adapters, dora=tech.dora,
                      optimizer=tech.optimizer, task=task, seq_len=seq_len,
@@ -1349,7 +1350,7 @@ def plan(spec: ModelSpec, args: argparse.Namespace) -> list[tuple[Prediction, li
             why = []
             if not has_recipe(tech):
                 why.append(NO_RECIPE + _no_recipe_reason(tech))
-            if tech.recipe in rules.RECIPES:  # the recipe's own start-up check: a command it would refuse is no plan
+            if tech.recipe in recipes_support():  # its own start-up check: a command it would refuse is no plan
                 why += [CANNOT + r for r in _refusals(tech, precision, n, spec.task, args.seq_len, facts)]
                 why += [CANNOT + r for r in refused_inputs]
                 if tech.paged and args.kernels != "cuda":

@@ -1,5 +1,8 @@
 """FSDP as the launch config asks for it: each `fsdp_*` setting honoured or refused, never silently replaced; the
-model's blocks as the FSDP units; and FSDP2 through Accelerate on a machine without GPUs."""
+model's blocks as the FSDP units; and FSDP2 through Accelerate on a machine without GPUs.
+
+A recipe that runs FSDP imports this module, which gives the spine its FSDP steps (shared/core/launch.py
+FSDP_STEPS); a recipe that never does carries none of it, and the rule table refuses its FSDP launch."""
 
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 
-from .errors import LaunchError
+from ..core.errors import LaunchError
+from ..core.launch import FSDP_STEPS
 
 logger = logging.getLogger("recipes")
 
@@ -97,12 +101,13 @@ def launch_fsdp_settings(env: Mapping[str, str] = os.environ) -> dict[str, tuple
     return settings
 
 
-def fsdp_plugin_kwargs(args: object, **recipe: object) -> dict[str, object]:
-    """A recipe's FSDP2 plugin settings with the launch config's laid over them (each one honoured, or refused by
-    launch_fsdp_settings), and a flag the recipe has for one of them: they must agree. Logged with their sources."""
+def fsdp_plugin_kwargs(args: object, launched: dict[str, tuple[object, str]], **recipe: object) -> dict[str, object]:
+    """A recipe's FSDP2 plugin settings with the launch config's (`launched`: launch_fsdp_settings(), each one
+    honoured, or refused there) laid over them, and a flag the recipe has for one of them: they must agree. Logged
+    with their sources."""
     chosen = {name: (value, "the recipe") for name, value in recipe.items() if value is not None}
     flags = {"cpu_offload": "--cpu_offload"}
-    for name, (value, source) in launch_fsdp_settings().items():
+    for name, (value, source) in launched.items():
         flag = flags.get(name)
         if not (flag and flag.lstrip("-") in getattr(args, "explicit_flags", set())):
             chosen[name] = (value, source)
@@ -111,6 +116,12 @@ def fsdp_plugin_kwargs(args: object, **recipe: object) -> dict[str, object]:
     if os.environ.get("RANK", "0") == "0":
         logger.info("FSDP settings: %s", "; ".join(f"{k}={v} (from {s})" for k, (v, s) in chosen.items()))
     return {name: value for name, (value, _) in chosen.items()}
+
+
+def launch_plugin(args: object) -> FullyShardedDataParallelPlugin:
+    """The plugin of a recipe that takes its FSDP settings from the launch config alone (resolve_launch, once the
+    rule table let the FSDP launch through)."""
+    return FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs(args, launch_fsdp_settings()))
 
 
 def wrap_blocks(accelerator: Accelerator, model: object, layers: Callable[[object], list]) -> None:
@@ -150,3 +161,6 @@ def force_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallel
     accelerator.state.fsdp_plugin = plugin
     accelerator.state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+FSDP_STEPS.update(plugin=launch_plugin, force_on_cpu=force_fsdp_on_cpu, wrap_blocks=wrap_blocks)
