@@ -32,13 +32,14 @@ from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.rules import Support
 from shared.core.tasks import load_task
-from shared.techniques import fsdp_launch  # noqa: F401  (an FSDP launch: its settings checked, FSDP2 on CPU)
+from shared.techniques import fsdp_launch
 from shared.techniques.activation_offload import MIN_BYTES, ActivationOffloader
 
 RECIPE = "activation_offloading"
 # What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
 # Saved-tensor hooks around forward: one process, DDP and FSDP2 run (tests/test_activation_offloading.py).
-SUPPORT = Support(shardings=("none", "ddp", "fsdp"),
+SUPPORT = Support(fsdp=fsdp_launch.STEPS,  # an FSDP launch: its settings checked, FSDP2 on CPU
+                  shardings=("none", "ddp", "fsdp"),
                   instead="one process, accelerate_configs/multi_cpu.yaml (DDP) or fsdp.yaml",
                   why_not="its saved-tensor hooks have not been run with DeepSpeed's engine here")
 

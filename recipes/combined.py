@@ -34,7 +34,7 @@ from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.rules import SHARDINGS, Support, offload_of, sharding_of
 from shared.core.tasks import load_task
-from shared.techniques import fsdp_launch  # noqa: F401  (an FSDP launch: its settings checked, FSDP2 on CPU)
+from shared.techniques import fsdp_launch
 from shared.techniques.activation_offload import ActivationOffloader
 from shared.techniques.chunked_loss import ChunkedLoss
 from shared.techniques.deepspeed_setup import (
@@ -62,7 +62,8 @@ from shared.techniques.selective_checkpointing import checkpoint_kwargs
 
 RECIPE = "combined"
 # What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
-SUPPORT = Support(shardings=SHARDINGS)
+SUPPORT = Support(fsdp=fsdp_launch.STEPS,  # an FSDP launch: its settings checked, FSDP2 on CPU
+                  shardings=SHARDINGS)
 
 
 def add_args(p):

@@ -33,12 +33,13 @@ from shared.core.results import finish
 from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques.async_checkpoint import async_checkpoints
-from shared.techniques.fsdp_launch import fsdp_plugin_kwargs, launch_fsdp_settings
+from shared.techniques.fsdp_launch import STEPS, fsdp_plugin_kwargs, launch_fsdp_settings
 from shared.techniques.hsdp import hsdp_report, parallelism_config
 
 RECIPE = "fsdp"
 # What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
-SUPPORT = Support(shardings=("fsdp",), min_processes=2, instead="accelerate_configs/fsdp.yaml or fsdp_offload.yaml "
+SUPPORT = Support(fsdp=STEPS,  # the launch config's FSDP settings checked, FSDP2 on CPU, one unit per block
+                  shardings=("fsdp",), min_processes=2, instead="accelerate_configs/fsdp.yaml or fsdp_offload.yaml "
                   "(hsdp.yaml: HSDP)", async_checkpoint=True, reshards=True)  # SHARDED_STATE_DICT: DCP reshards
 
 

@@ -32,14 +32,15 @@ from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.rules import Support, offload_of, sharding_of
 from shared.core.tasks import load_task
-from shared.techniques import fsdp_launch  # noqa: F401  (an FSDP launch: its settings checked, FSDP2 on CPU)
+from shared.techniques import fsdp_launch
 from shared.techniques.optim_low_bit import compile_each_shard_apart
 from shared.techniques.probes import quantized_state_counts
 
 RECIPE = "optim_low_bit"
 # What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
 # torchao's optimizers train under DDP and FSDP2 (benchmarks/compat_sweep.py); ZeRO: a rule of optim_low_bit.py.
-SUPPORT = Support(shardings=("none", "ddp", "fsdp"), instead="accelerate_configs/multi_cpu.yaml (DDP), fsdp.yaml or "
+SUPPORT = Support(fsdp=fsdp_launch.STEPS,  # an FSDP launch: its settings checked, FSDP2 on CPU
+                  shardings=("none", "ddp", "fsdp"), instead="accelerate_configs/multi_cpu.yaml (DDP), fsdp.yaml or "
                   "fsdp_offload.yaml (FSDP2)")
 OPTIMIZERS = {"adamw_torchao_4bit": "AdamW4bit", "adamw_torchao_fp8": "AdamWFp8",  # torchao.optim
               "adamw_torchao_8bit": "AdamW8bit", "adamw_bnb_8bit": "AdamW8bit"}  # bitsandbytes.optim

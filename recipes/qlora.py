@@ -35,7 +35,7 @@ from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.rules import SHARDINGS, Support
 from shared.core.tasks import load_task
-from shared.techniques import fsdp_launch  # noqa: F401  (an FSDP launch: its settings checked, FSDP2 on CPU)
+from shared.techniques import fsdp_launch
 from shared.techniques.deepspeed_setup import gathered_parameters
 from shared.techniques.quant import (
     COMPUTE_DTYPES,
@@ -50,7 +50,8 @@ from shared.techniques.quant import (
 
 RECIPE = "qlora"
 # What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
-SUPPORT = Support(shardings=SHARDINGS)
+SUPPORT = Support(fsdp=fsdp_launch.STEPS,  # an FSDP launch: its settings checked, FSDP2 on CPU
+                  shardings=SHARDINGS)
 
 
 def add_args(p):

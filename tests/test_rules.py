@@ -57,8 +57,6 @@ BAD_INPUTS = {
                                                                                  "out of order or past the run's end",
     ("shared/techniques/deepspeed_setup.py", "resolve_deepspeed_config", "Two DeepSpeed JSONs: --deepspeed_config "):
         "two DeepSpeed JSON files named at once",
-    ("shared/techniques/deepspeed_setup.py", "resolve_deepspeed_config", "DeepSpeed JSON "): "a JSON that does not "
-                                                                                             "exist",
     ("shared/techniques/deepspeed_setup.py", "resolve_deepspeed_config", "Conflicting settings"):
         "one setting given two values by the flags, the launch config and the JSON",
     ("shared/techniques/deepspeed_setup.py", "resolve_deepspeed_config", "ZeRO stage "): "a ZeRO stage out of range",
@@ -222,6 +220,27 @@ def test_the_recipes_a_refusal_points_to_are_the_recipes_that_say_so():
     catalogue = recipes_support()
     assert set(rules.COMPILING) == {name for name, support in catalogue.items() if support.compiles}
     assert set(rules.ASYNC_CHECKPOINTING) == {name for name, support in catalogue.items() if support.async_checkpoint}
+
+
+def test_fsdp_code_comes_with_the_recipes_that_run_fsdp(tmp_path):
+    """The recipes whose SUPPORT runs FSDP hand the spine fsdp_launch's steps there; the others carry none of it (a
+    baseline copy has no FSDP code), and a recipe that runs FSDP without them is refused before anything loads."""
+    from shared.core.args import parse_args
+    from shared.core.launch import resolve_launch
+    from shared.techniques import fsdp_launch
+
+    catalogue = recipes_support()
+    assert {n for n, s in catalogue.items() if s.fsdp is fsdp_launch.STEPS} == {
+        n for n, s in catalogue.items() if "fsdp" in s.shardings}
+    assert "fsdp_launch" not in (ROOT / "recipes" / "baseline.py").read_text()
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "ACCELERATE_USE_CPU": "true"}
+    args = parse_args(["--output_dir", str(tmp_path / "out")])
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        with pytest.raises(RecipeError, match=r"Support\(\.\.\., fsdp=fsdp_launch\.STEPS\)"):
+            resolve_launch(args, "my_fsdp", rules.Support(shardings=("fsdp",), min_processes=2))
 
 
 def test_every_rule_fires_somewhere_and_names_a_fix():

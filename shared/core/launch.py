@@ -27,11 +27,6 @@ from .errors import CheckpointError, LaunchError, RecipeError, RunFinished
 
 logger = logging.getLogger("recipes")
 
-# FSDP is a technique: a recipe that runs it imports shared/techniques/fsdp_launch.py, which fills these in: the
-# launch config's FSDP settings as a checked plugin ("plugin"), FSDP2 forced on a CPU-only machine ("force_on_cpu"),
-# one FSDP unit per block ("wrap_blocks", load_task). A recipe that never runs FSDP carries none of it: the rule
-# table refuses its FSDP launch.
-FSDP_STEPS: dict[str, Callable[..., object]] = {}
 
 
 def entrypoint(main: Callable[..., dict | None]) -> Callable[..., dict | None]:
@@ -243,11 +238,11 @@ def resolve_launch(
                      async_checkpoint=args.async_checkpoint, weights=args.weights_dtype,
                      preset="" if args.model_name_or_path else args.model_preset, **{"task": args.task, **asks})
     rules.check(run)  # the rule table: refused here, with the reason and the fix
-    if sharding == "fsdp" and not FSDP_STEPS:
-        raise RecipeError(f"recipes/{recipe}.py runs FSDP and does not import shared/techniques/fsdp_launch.py, "
-                          "which checks the launch config's FSDP settings: import it.")
+    if sharding == "fsdp" and support.fsdp is None:  # FSDP is a technique: its code comes with the recipe
+        raise RecipeError(f"recipes/{recipe}.py runs FSDP but its SUPPORT gives no FSDP steps: pass "
+                          "Support(..., fsdp=fsdp_launch.STEPS) (shared/techniques/fsdp_launch.py).")
     if launched == "fsdp" and fsdp_plugin is None:  # the launch config's FSDP settings, checked; the recipe passes it
-        fsdp_plugin = FSDP_STEPS["plugin"](args)
+        fsdp_plugin = support.fsdp.plugin(args)
     check_environment(mixed_precision, uses_deepspeed=sharding.startswith("zero"))
     home = Path(os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
                                                   "huggingface"))  # datasets and Transformers cache what they load
@@ -318,7 +313,7 @@ def start_run(accelerator: Accelerator, launch: Launch) -> None:
     start logging, seeding and trackers."""
     run = launch.run
     if not has_accelerator() and run.num_processes > 1 and run.sharding == "fsdp":
-        FSDP_STEPS["force_on_cpu"](accelerator, launch.fsdp_plugin)
+        run.support.fsdp.force_on_cpu(accelerator, launch.fsdp_plugin)
     if accelerator.num_processes != run.num_processes:
         raise LaunchError(
             f"{run.num_processes} processes were launched but Accelerate sees {accelerator.num_processes} "

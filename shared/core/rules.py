@@ -48,6 +48,9 @@ class Support:
     needs_trained_model: bool = False  # it starts from a trained model (--model_name_or_path), never a fresh preset
     reshards: bool = False  # its checkpoints resume on another process count (docs/resharding.md)
     async_checkpoint: bool = False  # its checkpoints are DCP shards, which async_save writes in the background
+    # A recipe that trains under FSDP hands the spine its FSDP steps (shared/techniques/fsdp_launch.py STEPS: the
+    # launch config's settings checked, FSDP2 on CPU, one unit per block); the others carry none of that code.
+    fsdp: object | None = None
 
 
 # The recipes a refusal points to: the ones that compile, and the ones whose checkpoints are DCP shards (each

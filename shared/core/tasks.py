@@ -23,7 +23,6 @@ from . import data, datareport, losses, models, rules
 from .args import DECODER_TASKS
 from .boundary import loading
 from .errors import InputError
-from .launch import FSDP_STEPS
 
 if TYPE_CHECKING:
     from .launch import Launch
@@ -190,8 +189,8 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
         raise InputError("keep_columns serves text-classification, and causal-lm with --packing none (a packed block "
                          f"holds parts of many rows), not --task {args.task} --packing {args.packing}.")
     task = module.build(args, accelerator, train_raw, val_raw, source, batches, tuple(keep_columns))
-    if wrap := FSDP_STEPS.get("wrap_blocks"):  # under FSDP: one unit per block (shared/techniques/fsdp_launch.py)
-        wrap(accelerator, task.model, models.transformer_layers)
+    if fsdp := launch.run.support.fsdp:  # under FSDP: one unit per block (shared/techniques/fsdp_launch.py)
+        fsdp.wrap_blocks(accelerator, task.model, models.transformer_layers)
     task.output_dir = launch.output_dir
     n_train = len(task.train_dataloader.dataset)
     packed = task.packing != "none"

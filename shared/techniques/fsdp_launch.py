@@ -1,21 +1,21 @@
 """FSDP as the launch config asks for it: each `fsdp_*` setting honoured or refused, never silently replaced; the
 model's blocks as the FSDP units; and FSDP2 through Accelerate on a machine without GPUs.
 
-A recipe that runs FSDP imports this module, which gives the spine its FSDP steps (shared/core/launch.py
-FSDP_STEPS); a recipe that never does carries none of it, and the rule table refuses its FSDP launch."""
+A recipe that runs FSDP hands the spine these steps in its SUPPORT (`Support(..., fsdp=fsdp_launch.STEPS)`); a recipe
+that never does carries none of it, and the rule table refuses its FSDP launch."""
 
 from __future__ import annotations
 
 import logging
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 
 from ..core.errors import LaunchError
-from ..core.launch import FSDP_STEPS
 
 logger = logging.getLogger("recipes")
 
@@ -163,4 +163,14 @@ def force_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallel
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
-FSDP_STEPS.update(plugin=launch_plugin, force_on_cpu=force_fsdp_on_cpu, wrap_blocks=wrap_blocks)
+@dataclass(frozen=True)
+class Steps:
+    """What the spine runs for an FSDP launch: resolve_launch builds the checked plugin, start_run forces FSDP2 on a
+    CPU-only machine, load_task makes each block an FSDP unit."""
+
+    plugin: Callable[[object], FullyShardedDataParallelPlugin]
+    force_on_cpu: Callable[[Accelerator, FullyShardedDataParallelPlugin | None], None]
+    wrap_blocks: Callable[[Accelerator, object, Callable[[object], list]], None]
+
+
+STEPS = Steps(plugin=launch_plugin, force_on_cpu=force_fsdp_on_cpu, wrap_blocks=wrap_blocks)
