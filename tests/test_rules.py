@@ -37,8 +37,6 @@ BAD_INPUTS = {
                                                                                           "no micro-batch can keep",
     ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", '"'): "an amp / torch_autocast "
                                                                                        "block in the JSON",
-    ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", "fp16 ("): "fp16 under DeepSpeed "
-                                                                                            "on CPU",
     ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", "optimizer "): "a 1-bit optimizer",
     ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", "sequence_parallel_size in "):
         "the JSON's sequence parallelism",

@@ -233,10 +233,14 @@ RULES: list[Rule] = [
          lambda r: f"optimizer offload to nvme under ZeRO stage {r.sharding[-1]}: stages 1 and 2 keep offloaded "
                    "optimizer state in CPU memory whatever the device says",
          lambda r: "use ZeRO-3 for NVMe offload (accelerate_configs/zero3_nvme.yaml), or offload to cpu"),
+    # One rule whichever source asked for fp16: the fix names that source (run.flags["precision"]: a DeepSpeed
+    # JSON's fp16 block, through resolve_launch, is changed in the JSON, not by a flag that would then disagree).
     Rule(lambda r: r.sharding.startswith("zero") and r.precision == "fp16" and not r.on_accelerator,
-         lambda r: "fp16 under DeepSpeed needs a GPU: on CPU DeepSpeed refuses it ('Type fp16 is not supported on "
-                   "your device')",
-         lambda r: "use --mixed_precision bf16 (or no)"),
+         lambda r: f"fp16 ({r.flags.get('precision', '--mixed_precision fp16')}) under DeepSpeed needs a GPU: on "
+                   "CPU DeepSpeed refuses it ('Type fp16 is not supported on your device')",
+         lambda r: ('set "fp16": {"enabled": "auto"} (or false) in the DeepSpeed JSON, then --mixed_precision bf16 '
+                    "or no" if "DeepSpeed JSON" in r.flags.get("precision", "") else
+                    "use --mixed_precision bf16 (or no)")),
     # DeepSpeed's ZeRO optimizers keep fp32 partitions of 16-bit weights (measured: bf16 weights, fp32 masters and
     # moments), and Accelerate's FSDP2 mixed precision upcasts the sharded parameters: pure bf16 would not be what ran.
     Rule(lambda r: r.weights == "bf16" and (r.sharding in _ZERO or r.sharding == "fsdp" and r.precision != "no"),
