@@ -96,3 +96,21 @@ def test_sharded_recipes_keep_the_tie_through_saving_and_resuming(recipe, config
                    "--resume_from_checkpoint", "latest", config=config)
     resumed, still_tied = reload(tmp_path / "resumed")
     assert again["resumed_from_step"] == 2 and still_tied and max_diff(run, resumed) <= 1e-6
+
+
+@pytest.mark.slow
+def test_tensor_parallel_resumes_a_tied_model_to_the_same_parameters(models, tmp_path):
+    """Tensor parallel's DCP checkpoint of a tied Qwen2-style model (the one shared weight split once): a second
+    launch from the halfway checkpoint ends at the same parameters as the uninterrupted run, and reloads tied."""
+    args = (*COMMON, *STEPS, "--per_device_train_batch_size", "16", "--checkpointing_steps", "2",
+            "--model_name_or_path", make_dir(models, "qwen2-tied"))
+    run = launch("tensor_parallel", tmp_path / "tp", *args)
+    step = "step_00000002"
+    shutil.copytree(tmp_path / "tp" / "checkpoints" / step, tmp_path / "resumed" / "checkpoints" / step)
+    again = launch("tensor_parallel", tmp_path / "resumed", *args, "--resume_from_checkpoint", "latest")
+    (whole, _), (resumed, tied) = reload(tmp_path / "tp"), reload(tmp_path / "resumed")
+    diff = max_diff(whole, resumed)
+    print(f"TP 2 processes, tied Qwen2-style, resumed at step 2 of 4: max |param diff| {diff:.1e}, tied: {tied}")
+    assert again["resumed_from_step"] == 2 and run["num_processes"] == 2
+    assert tied and diff <= 1e-6
+    assert again["eval_loss"] == pytest.approx(run["eval_loss"], abs=1e-6)
