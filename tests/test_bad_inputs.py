@@ -384,6 +384,16 @@ CASES = [
     Case("repeated-header-row", "two csv files joined with `cat`, the header repeated mid-file (a class named "
          "'label' would train)", [], ["training data repeats its header row at row 21", "Delete those rows"],
          setup=lambda t: ["--train_file", _joined_csv(t)]),
+    Case("csv-unquoted-delimiter", "a comma inside an unquoted text on the first row (pandas made the texts the row "
+         "index and read the labels as texts)", [], ["line 2 has 3 fields where the header has 2", "Quote such texts"],
+         setup=lambda t: ["--train_file", _table(t, [("bad, slow movie", 0), *_ROWS[1:]])]),
+    Case("csv-unquoted-delimiter-later", "commas inside unquoted texts further down a csv", [],
+         ["line 12 has 3 fields", "(and 1 more line(s))", "Quote such texts"],
+         setup=lambda t: ["--train_file", _table(t, [(f"{a}, really" if i in (10, 20) else a, b)
+                                                     for i, (a, b) in enumerate(_ROWS)])]),
+    Case("csv-column-named-twice", "a csv header naming a column twice (pandas renamed the second 'text.1')", [],
+         ["the header names 'text' twice", "Give every column its own name"],
+         setup=lambda t: ["--train_file", _table(t, [(f"{a},{a}", b) for a, b in _ROWS], header="text,text,label")]),
     Case("repeated-header-in-validation", "the header repeated in a joined validation file", [],
          ["validation data repeats its header row at row 21", "tail -n +2"],
          setup=lambda t: ["--train_file", _table(t), "--validation_file", _joined_csv(t, name="v.csv")]),

@@ -167,6 +167,8 @@ def _load_file(path: str):
     if Path(path).stat().st_size < 1 << 20 and not Path(path).read_bytes().strip():  # datasets: a bare StopIteration
         raise InputError(f"The data file {path} is empty. Pass a file with rows.")
     options = {"sep": csv_delimiter(path)} if kind == "csv" else {}
+    if kind == "csv":
+        datacheck.check_csv_fields(path, options["sep"])
     try:
         ds = datasets.load_dataset(kind, data_files={"train": path}, split="train", **options)
     except ValueError as err:

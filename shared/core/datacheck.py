@@ -4,6 +4,7 @@ line, and the fix."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -31,6 +32,32 @@ def explain_unreadable(path: str, kind: str, err: Exception) -> InputError:
     detail = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
     return InputError(f"{path}: cannot be read as {kind}{', ' + where if where else ''} ({detail}). Fix or remove "
                       f"that {'line' if where else 'content'}, or save the file as UTF-8 {kind}.")
+
+
+def check_csv_fields(path: str, delimiter: str, rows: int = 10_000) -> None:
+    """The header against the first `rows` rows, as the csv module splits them. pandas (under datasets) takes two
+    mistakes silently: a column name given twice (the second renamed 'name.1'), and a first row one field longer
+    than the header (the first column becomes the row index, every column shifts one left: labels read as texts).
+    Longer rows further down fail in pandas, and shorter ones become empty cells, which the column checks name."""
+    import csv
+    import gzip
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8-sig", errors="replace", newline="") as f:
+        reader = csv.reader(f, delimiter=delimiter)
+        header = next(reader, [])
+        twice = sorted({n for n in header if n.strip() and header.count(n) > 1})
+        if twice:
+            raise InputError(f"{path}: the header names {', '.join(repr(n) for n in twice)} twice ({header}): pandas "
+                             "would rename the second and the run would use whichever came first. Give every column "
+                             "its own name.")
+        longer = [(reader.line_num, len(row)) for row in itertools.islice(reader, rows) if len(row) > len(header)]
+    if longer:
+        (line, n), more = longer[0], f" (and {len(longer) - 1} more line(s))" if len(longer) > 1 else ""
+        raise InputError(f"{path}: line {line} has {n} fields where the header has {len(header)}{more}: a "
+                         f"{delimiter!r} inside an unquoted text splits it into two fields. Quote such texts "
+                         f"(\"a{delimiter} b\"), as Python's csv.writer and pandas' to_csv do, or save the file as "
+                         "JSON lines.")
 
 
 def _first_bad_line(path: Path, kind: str) -> str:
