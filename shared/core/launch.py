@@ -247,6 +247,7 @@ def resolve_launch(
     if launched == "fsdp" and fsdp_plugin is None:  # the launch config's FSDP settings, checked; the recipe passes it
         fsdp_plugin = support.fsdp.plugin(args)
     check_environment(mixed_precision, uses_deepspeed=sharding.startswith("zero"))
+    check_accumulation_variable(accumulation, uses_deepspeed=sharding.startswith("zero"))
     home = Path(os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
                                                   "huggingface"))  # datasets and Transformers cache what they load
     there = next(p for p in (home, *home.parents) if p.exists())
@@ -392,6 +393,26 @@ def check_leftover_accelerate(args: argparse.Namespace) -> None:
         raise LaunchError(f"ACCELERATE_MIXED_PRECISION={mp} is set in the environment, and no launcher started this "
                           f"run: it would compute in {mp} although no flag asked for it. Pass --mixed_precision {mp} "
                           "to ask for it, or `unset ACCELERATE_MIXED_PRECISION` for the recipe's own precision.")
+    backend = env.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()
+    if backend != "no" and not args.torch_compile:  # resolve_compile would take it as the launch config's
+        raise LaunchError(f"ACCELERATE_DYNAMO_BACKEND={backend} is set in the environment, and no launcher started "
+                          "this run: the model would be compiled although no flag asked for it. Pass --torch_compile "
+                          "full (or regional) to ask for it, or `unset ACCELERATE_DYNAMO_BACKEND` to run eager.")
+
+
+def check_accumulation_variable(accumulation: int, uses_deepspeed: bool) -> None:
+    """ACCELERATE_GRADIENT_ACCUMULATION_STEPS, which `accelerate launch` sets for DeepSpeed configs only (there it is
+    the config's, resolved with the JSON's): any other run that finds it was left it by a shell, and Accelerate would
+    divide every loss by it in backward() (Accelerator() reads it when no plugin is passed), or the run would say
+    one accumulation and Accelerate hold another."""
+    value = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if uses_deepspeed or value in (None, "", str(accumulation)):
+        return
+    raise LaunchError(f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={value} is set in the environment (accelerate launch "
+                      "sets it for DeepSpeed configs only: a leftover of an export or an earlier launch), and this run "
+                      f"accumulates {accumulation}: Accelerate would divide every loss by {value}. `unset "
+                      "ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, or pass --gradient_accumulation_steps "
+                      f"{value} to a recipe that accumulates (recipes/gradient_accumulation.py).")
 
 
 def check_leftover_rendezvous(args: argparse.Namespace) -> None:

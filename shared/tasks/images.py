@@ -110,6 +110,14 @@ def image_folder(root: str, classes: list[str] | None = None) -> dict[str, list]
                          "move them out of the class folders.")
     if not paths:
         raise InputError(f"{root!r} holds no images ({', '.join(s.lstrip('.') for s in IMAGE_SUFFIXES)}).")
+    empty = [name for label, name in enumerate(classes) if label not in set(labels)]
+    if empty and classes is found:  # training: each folder is a class the head gets a row for, and learns nothing of
+        raise InputError(f"{root!r}: class folder(s) {empty} hold no images, so the classifier would get classes it "
+                         "never sees. Add their images, or remove the empty folders.")
+    if len(classes) < 2 and classes is found:
+        raise InputError(f"{root!r} holds one class folder ({classes[0]!r}): a classifier needs at least two, and one "
+                         f"class would score accuracy 1.0 having learned nothing. Lay out {root}/<class_name>/ per "
+                         "class.")
     return {"image": paths, "label": labels, "classes": classes}
 
 
