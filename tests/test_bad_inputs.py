@@ -825,6 +825,21 @@ CASES = [
                                                    + [{"messages": _CHAT}] * 20)]),
     Case("sft-flag-without-sft", "a chat template for a task that is not sft", ["--chat_template", "t.jinja"],
          ["serves --task sft", "Pass --task sft, or drop them"]),
+    Case("sft-template-syntax", "a chat template file that is not valid Jinja (a raw TemplateSyntaxError traceback "
+         "from the first row before)", ["--task", "sft", "--model_preset", "tiny-llama"],
+         ["cannot render a user and an assistant turn (line 1)", "TemplateSyntaxError", "Fix the template"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"messages": _CHAT}] * 20), "--chat_template",
+                          _write(t / "bad.jinja", "{% for m in messages %}{{ m.content }")]),
+    Case("sft-template-not-applied", "a chat template with prompt/completion strings (set on the tokenizer, never "
+         "used, and reported as the run's template)", ["--task", "sft", "--model_preset", "tiny-llama"],
+         ["--chat_template renders conversations", "Drop --chat_template"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"prompt": "2+2?", "completion": "4"}] * 20), "--chat_template",
+                          _write(t / "t.jinja", "{% for m in messages %}{{ m.content }}{% endfor %}")]),
+    Case("sft-sharegpt-column", "ShareGPT data: a 'conversations' column of from/value turns (the help said the "
+         "column was guessed; it was not)", ["--task", "sft", "--model_preset", "tiny-llama"],
+         ["column 'conversations'", "uses ShareGPT's from/value keys", "human -> user, gpt -> assistant"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"conversations": [{"from": "human", "value": "hi"},
+                                                                         {"from": "gpt", "value": "hello"}]}] * 20)]),
 ]
 # The earlier rows whose fix is a flag or a recipe, followed (argv, recipe, env); the others' fix is in the data, a
 # pip install, or a launch of several processes (test_following_a_launch_fix_clears_the_rule).

@@ -40,7 +40,9 @@ def pick_layout(columns: list[str], args) -> Layout:
     if len(chosen) > 1:
         raise InputError(f"--messages_column, --prompt_column/--completion_column and --text_column choose a layout "
                          f"each; {', '.join(chosen)} were given. Pass the flags of one layout.")
-    found = {"messages": "messages" in columns, "prompt/completion": {"prompt", "completion"} <= set(columns),
+    # ShareGPT-style data names its column "conversations" (its from/value turns are then refused with the renaming)
+    conversations = next((c for c in ("messages", "conversations") if c in columns), None)
+    found = {"messages": conversations is not None, "prompt/completion": {"prompt", "completion"} <= set(columns),
              "text": "text" in columns}
     kind = chosen[0] if chosen else None
     if kind is None:
@@ -52,15 +54,15 @@ def pick_layout(columns: list[str], args) -> Layout:
         if not present:
             alpaca = " (Alpaca: --prompt_column instruction,input --completion_column output)" if {
                 "instruction", "output"} <= set(columns) else ""
-            raise InputError(f"Found no sft columns among {columns}: a 'messages' column of conversations, 'prompt' "
-                             "and 'completion' columns, or a 'text' column. Pass --messages_column, --prompt_column "
-                             f"with --completion_column{alpaca}, or --text_column.")
+            raise InputError(f"Found no sft columns among {columns}: a 'messages' (or 'conversations') column of "
+                             "conversations, 'prompt' and 'completion' columns, or a 'text' column. Pass "
+                             f"--messages_column, --prompt_column with --completion_column{alpaca}, or --text_column.")
         kind = present[0]
     if kind == "prompt/completion":
         prompts = tuple(c.strip() for c in (args.prompt_column or "prompt").split(","))
         cols = (*prompts, args.completion_column or "completion")
     else:
-        cols = (given[kind] or kind,)
+        cols = (given[kind] or (conversations if kind == "messages" else kind),)
     if missing := [c for c in cols if c not in columns]:
         flag = {"messages": "--messages_column", "text": "--text_column"}.get(kind, "--prompt_column or "
                                                                                  "--completion_column")
@@ -208,10 +210,14 @@ def set_template(tokenizer, path: str | None, layout: Layout) -> str:
         if not Path(path).is_file():
             raise InputError(f"--chat_template {path!r} is not a file. Pass a Jinja template file (for example a "
                              "model's chat_template.jinja).")
+        if layout.kind != "messages":  # TRL's way too: only conversations are templated
+            raise InputError(f"--chat_template renders conversations, and this data is {layout.kind} strings "
+                             f"(columns {list(layout.columns)}), which are tokenized as they are. Drop "
+                             "--chat_template, or store each row as a 'messages' list of {role, content} turns.")
         tokenizer.chat_template = Path(path).read_text()
-        return f"--chat_template {path}"
+        return _rendered(tokenizer, f"--chat_template {path}")
     if tokenizer.chat_template:
-        return "the tokenizer's own"
+        return _rendered(tokenizer, "the tokenizer's own") if layout.kind == "messages" else "the tokenizer's own"
     if layout.kind in ("prompt/completion", "text"):
         return "none (string prompt/completion and text are not templated)"
     if tokenizer.eos_token is None:
@@ -219,6 +225,20 @@ def set_template(tokenizer, path: str | None, layout: Layout) -> str:
                          "--chat_template FILE.")
     tokenizer.chat_template = BUILTIN_TEMPLATE
     return "built-in plain template (shared/tasks/chat.py BUILTIN_TEMPLATE)"
+
+
+def _rendered(tokenizer, source: str) -> str:
+    """The template renders a plain exchange, or is refused before any row is encoded (a Jinja syntax error, or a
+    template that raises, came out of the first row's encoding as a raw traceback)."""
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+                                      tokenize=False)
+    except Exception as err:  # noqa: BLE001  (jinja2's TemplateSyntaxError, TemplateError, ...: the detail is shown)
+        where = f" (line {err.lineno})" if getattr(err, "lineno", None) else ""
+        raise InputError(f"The chat template ({source}) cannot render a user and an assistant turn{where}: "
+                         f"{type(err).__name__}: {err}. Fix the template, or pass --chat_template FILE with one "
+                         "that renders.") from err
+    return source
 
 
 class Encoder:
