@@ -365,8 +365,9 @@ CASES = [
     Case("one-class", "a training set of one class (accuracy 1.0, nothing learned)", [],
          ["holds one class (0)", "Add examples of the other classes"],
          setup=lambda t: ["--train_file", _table(t, [(f"text {i}", 0) for i in range(40)])]),
-    Case("one-class-image-folder", "an image folder with one class folder", ["--task", "image-classification"],
-         ["holds one class (0)", "Add examples of the other classes"],
+    Case("one-class-image-folder", "an image folder with one class folder (was called a 'label column' holding "
+         "class 0, with a --label_column fix)", ["--task", "image-classification"],
+         ["holds one class folder ('a')", "<class_name>/ per class"],
          setup=lambda t: ["--train_dir", _folder(t, classes=("a",), n=8)]),
     Case("free-text-labels", "--label_column naming a free-text column (a classifier of 36 classes seen once)",
          ["--label_column", "comment"], ["36 different values in 36 training rows", "Pass --label_column naming"],
@@ -619,7 +620,7 @@ CASES = [
          ["--model_preset tiny-moe is a decoder for text", "Pass --task causal-lm or text-classification"]),
     Case("compile-other-backend", "a launch config's dynamo backend other than inductor", [],
          ["dynamo_backend 'aot_eager'", "Set dynamo_backend: INDUCTOR"],
-         env={"ACCELERATE_DYNAMO_BACKEND": "AOT_EAGER"}),
+         env={"ACCELERATE_DYNAMO_BACKEND": "AOT_EAGER", "ACCELERATE_DYNAMO_MODE": "default"}),  # as launch sets them
     # ---- launches that would quietly do less: `accelerate launch` asked for 2 processes, started 1 (its one-process
     # launcher sets MASTER_ADDR and no WORLD_SIZE); the launches themselves: test_a_launch_of_two_that_starts_one_*
     Case("lone-launch-num-processes", "`accelerate launch --num_processes 2` with no config on a CPU-only machine "
@@ -750,9 +751,6 @@ CASES = [
     Case("empty-class-folder", "a class folder with no images (the head got a class it never sees)",
          ["--task", "image-classification"], ["class folder(s) ['c'] hold no images", "remove the empty folders"],
          setup=lambda t: ["--train_dir", _folder(t, classes=("a", "b")) and _folder(t, classes=("c",), images=False)]),
-    Case("one-class-folder", "an image folder of one class (was called a 'label column' holding class 0)",
-         ["--task", "image-classification"], ["holds one class folder ('a')", "<class_name>/ per class"],
-         setup=lambda t: ["--train_dir", _folder(t, classes=("a",))]),
     Case("leftover-use-fsdp", "ACCELERATE_USE_FSDP left in the shell (blamed on 'the launch config' before)", [],
          ["ACCELERATE_USE_FSDP=true is set in the environment", "unset ACCELERATE_USE_FSDP"],
          env={"ACCELERATE_USE_FSDP": "true"}),
@@ -859,7 +857,7 @@ _FOLLOWED = {
     "chunked-loss-for-classification": (["--chunked_loss", "--task", "causal-lm"], "", {}),
     "compile-not-wired": ([], "", {}),
     "text-preset-for-images": (["--task", "causal-lm", "--model_preset", "tiny-moe"], "", {}),
-    "compile-other-backend": ([], "", {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}),
+    "compile-other-backend": ([], "", {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "ACCELERATE_DYNAMO_MODE": "default"}),
     "warmup-past-the-end": (["--num_warmup_steps", "1"], "", {}),
     "save-limit-without-checkpoints": (["--save_total_limit", "2", "--checkpointing_steps", "1"], "", {}),
     "tracker-typo": (["--report_to", "tensorboard"], "", {}),
