@@ -821,6 +821,16 @@ CASES = [
                                                              "end every conversation on an assistant turn"],
          setup=lambda t: ["--train_file", _jsonl(t, [{"messages": _CHAT}] * 2 + [{"messages": [*_CHAT, _CHAT[0]]}]
                                                    + [{"messages": _CHAT}] * 20)]),
+    Case("launcher-option-to-recipe", "accelerate launch's --config_file given to the recipe (the hint was "
+         "'did you mean --train_file?')", ["--config_file", "accelerate_configs/zero3.yaml"],
+         ["an option of `accelerate launch`, which goes before the recipe", "accelerate launch --config_file"]),
+    Case("column-name-case", "csv columns 'Text' and 'Label' (the guesses are lower case)", [],
+         ["'Text' differs from 'text' only in case", "Pass --text_column Text"],
+         setup=lambda t: ["--train_file", _table(t, header="Text,Label")],
+         fix=["--text_column", "Text", "--label_column", "Label"]),
+    Case("column-near-miss", "--label_column misspelled", ["--text_column", "text", "--label_column", "lable"],
+         ["--label_column 'lable' is not a column", "Did you mean --label_column label?"],
+         setup=lambda t: ["--train_file", _table(t)]),
     Case("sft-flag-without-sft", "a chat template for a task that is not sft", ["--chat_template", "t.jinja"],
          ["serves --task sft", "Pass --task sft, or drop them"]),
     Case("sft-template-syntax", "a chat template file that is not valid Jinja (a raw TemplateSyntaxError traceback "

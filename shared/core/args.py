@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
@@ -112,6 +113,9 @@ def flag_hint(flag: str, options: dict) -> str:
     ours or of the table's, never a flag of another meaning that changes the run's length."""
     name = "--" + flag.lstrip("-").replace("-", "_")
     meant = SPELLINGS.get(flag, SPELLINGS.get(name))
+    if meant is None and flag in _launcher_options():  # accelerate launch's own (--config_file, --num_processes ...)
+        return (f"an option of `accelerate launch`, which goes before the recipe: accelerate launch {flag} ... "
+                "recipes/<recipe>.py [the recipe's flags]")
     if meant is None:
         near = [m for m in get_close_matches(name, [*options, *SPELLINGS], 5)
                 if all(w in name for w in _LENGTH_WORDS.get(SPELLINGS.get(m, m), ()))]
@@ -123,6 +127,14 @@ def flag_hint(flag: str, options: dict) -> str:
     if meant.split()[0] in options:
         return f"did you mean {meant}?"
     return f"these recipes call it {meant.split()[0]}, and this recipe has no such flag (see --help)"
+
+
+@functools.cache
+def _launcher_options() -> frozenset[str]:
+    """The options of `accelerate launch`, read from its own parser."""
+    from accelerate.commands.launch import launch_command_parser
+
+    return frozenset(launch_command_parser()._option_string_actions)
 
 
 def one_of(*names: str) -> dict:

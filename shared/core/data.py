@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 from collections.abc import Iterator
+from difflib import get_close_matches
 from pathlib import Path
 
 from . import datacheck
@@ -208,12 +209,17 @@ def pick_column(columns: list[str], wanted: str | None, guesses: tuple[str, ...]
     """The named column, or the first common name present; a clear error naming the columns that exist."""
     if wanted:
         if wanted not in columns:
+            near = get_close_matches(wanted, columns, 1) or [c for c in columns if c.lower() == wanted.lower()]
             raise InputError(f"--{flag} {wanted!r} is not a column of the data. Columns: {columns}. "
-                             f"Pass --{flag} with one of them.")
+                             + (f"Did you mean --{flag} {near[0]}?" if near else f"Pass --{flag} with one of them."))
         return wanted
     for name in guesses:
         if name in columns:
             return name
+    # a guessed name in other letter case ('Text', 'LABEL'): the fix is knowable, and taking it unasked is not ours
+    if near := [c for name in guesses for c in columns if c.strip().lower() == name]:
+        raise InputError(f"Found no {what} column among {columns}; {near[0]!r} differs from {guesses[0]!r} only in "
+                         f"case or spaces. Pass --{flag} {near[0]}.")
     pairs = " (sentence pairs such as GLUE's sentence1/sentence2: also --text_pair_column)" if what == "text" else ""
     if columns and all(" " in c or c.strip().lstrip("-").replace(".", "", 1).isdigit() or c in ("True", "False")
                        for c in columns[1:] + columns[:1]) and any(" " in c for c in columns):
