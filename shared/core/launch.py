@@ -26,6 +26,8 @@ from .boundary import debugging
 from .errors import CheckpointError, LaunchError, RecipeError, RunFinished
 
 logger = logging.getLogger("recipes")
+# The key of a resolved DeepSpeed config under which deepspeed_setup records where each agreed setting came from
+SETTINGS_SOURCES = "recipe_settings_sources"
 
 
 
@@ -223,8 +225,8 @@ def resolve_launch(
         clipping = float(deepspeed_config.get("gradient_clipping", clipping))
         stated_lr = (deepspeed_config.get("optimizer") or {}).get("params", {}).get("lr", "auto")
         learning_rate = learning_rate if stated_lr == "auto" else float(stated_lr)  # the JSON's optimizer runs
-        # where the agreed precision came from, for the rule table's messages (deepspeed_setup's settings sources)
-        if source := deepspeed_config.get("recipe_settings_sources", {}).get("mixed_precision"):
+        # where the agreed precision came from, for the rule table's messages
+        if source := deepspeed_config.get(SETTINGS_SOURCES, {}).get("mixed_precision"):
             asks["flags"] = {**asks.get("flags", {}), "precision": source}
     elif fsdp_plugin is not None:
         from torch.distributed.fsdp import CPUOffloadPolicy

@@ -110,7 +110,8 @@ def image_folder(root: str, classes: list[str] | None = None) -> dict[str, list]
                          "move them out of the class folders.")
     if not paths:
         raise InputError(f"{root!r} holds no images ({', '.join(s.lstrip('.') for s in IMAGE_SUFFIXES)}).")
-    empty = [name for label, name in enumerate(classes) if label not in set(labels)]
+    seen = set(labels)
+    empty = [name for label, name in enumerate(classes) if label not in seen]
     if empty and classes is found:  # training: each folder is a class the head gets a row for, and learns nothing of
         raise InputError(f"{root!r}: class folder(s) {empty} hold no images, so the classifier would get classes it "
                          "never sees. Add their images, or remove the empty folders.")

@@ -24,6 +24,7 @@ import torch
 
 from ..core.boundary import loading
 from ..core.errors import LaunchError
+from ..core.launch import SETTINGS_SOURCES as SOURCES
 from ..core.measure import state_bytes
 
 logger = logging.getLogger("recipes")
@@ -48,7 +49,6 @@ SETTINGS: dict[str, tuple[str | None, str | None]] = {
     "optimizer.params.weight_decay": ("weight_decay", None),
     "scheduler.params.warmup_num_steps": ("num_warmup_steps", None),
 }
-SOURCES = "recipe_settings_sources"
 _TRAINING = ("gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu", "mixed_precision")
 _FLAG_TYPES = {"max_grad_norm": float, "gradient_accumulation_steps": int, "per_device_train_batch_size": int,
                "learning_rate": float, "weight_decay": float, "num_warmup_steps": int}
