@@ -82,24 +82,18 @@ def test_sequence_parallel_trains_like_one_process(kind, tmp_path):
     """2 processes, each half of every sequence (32 tokens, 4x the window), vs 1 process on the whole sequence:
     the first and the evaluation loss to 1e-5; each process's share of gpt-oss's sinks is its heads'. In the
     default selection, test_sequence_parallel_attention_keeps_windows_caps_and_sinks checks the attention itself."""
-    r, ref, diff = _two_processes_against_one("sequence_parallel", kind, tmp_path)
-    print(f"{kind}: sequence parallel vs 1 process, loss {r['initial_loss']:.7f} / {ref['initial_loss']:.7f}, "
-          f"params {diff:.1e}")
-    assert r["initial_loss"] == pytest.approx(ref["initial_loss"], abs=1e-5)
-    assert r["eval_loss"] == pytest.approx(ref["eval_loss"], abs=1e-5)
-    assert diff <= PARAM_TOL
-
-
-def _two_processes_against_one(recipe: str, kind: str, tmp_path) -> tuple[dict, dict, float]:
-    """The recipe launched in 2 processes and the baseline in 1, on the same model, data and 32-token sequences
-    (4x the window): their results and the largest parameter difference of the saved models."""
-    from tests.conftest import load_params, max_param_diff
-
     args = (*COMMON, "--per_device_train_batch_size", "16", "--max_seq_length", str(LENGTH), "--max_train_steps", "3",
             "--max_train_samples", "128", "--model_name_or_path", make_dir(tmp_path / "models", kind))
     ref = run_recipe("baseline", tmp_path / "one", *args)
-    r = launch(recipe, tmp_path / "two", *args)
-    return r, ref, max_param_diff(load_params(tmp_path / "one"), load_params(tmp_path / "two"))
+    r = launch("sequence_parallel", tmp_path / "sp", *args)
+    assert r["initial_loss"] == pytest.approx(ref["initial_loss"], abs=1e-5)
+    assert r["eval_loss"] == pytest.approx(ref["eval_loss"], abs=1e-5)
+    from tests.conftest import load_params, max_param_diff
+
+    diff = max_param_diff(load_params(tmp_path / "one"), load_params(tmp_path / "sp"))
+    print(f"{kind}: sequence parallel vs 1 process, loss {r['initial_loss']:.7f} / {ref['initial_loss']:.7f}, "
+          f"params {diff:.1e}")
+    assert diff <= PARAM_TOL
 
 
 def test_pipeline_stages_carry_windows_and_refuse_caps_and_sinks():
@@ -127,10 +121,15 @@ def test_pipeline_stages_carry_windows_and_refuse_caps_and_sinks():
 def test_tensor_parallel_carries_windows_and_caps(kind, tmp_path):
     """The model's own plan splits the heads: windows and soft caps act per head and per score, so 2 processes
     train what 1 trains (32 tokens, 4x the window)."""
-    r, ref, diff = _two_processes_against_one("tensor_parallel", kind, tmp_path)
+    from tests.conftest import load_params, max_param_diff
+
+    args = (*COMMON, "--per_device_train_batch_size", "16", "--max_seq_length", str(LENGTH), "--max_train_steps", "3",
+            "--max_train_samples", "128", "--model_name_or_path", make_dir(tmp_path / "models", kind))
+    ref = run_recipe("baseline", tmp_path / "one", *args)
+    r = launch("tensor_parallel", tmp_path / "tp", *args)
     assert r["initial_loss"] == pytest.approx(ref["initial_loss"], abs=1e-5)
     assert r["eval_loss"] == pytest.approx(ref["eval_loss"], abs=1e-5)
-    assert diff <= PARAM_TOL
+    assert max_param_diff(load_params(tmp_path / "one"), load_params(tmp_path / "tp")) <= PARAM_TOL
 
 
 def test_layer_types_written_for_neither_are_refused_by_name():
