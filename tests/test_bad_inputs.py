@@ -887,6 +887,9 @@ CASES = [
     Case("megatron-config", "distributed_type: MEGATRON_LM in the launch config (Accelerator() raised ImportError)",
          [], ["distributed_type is MEGATRON_LM", "recipes/tensor_parallel.py"],
          env={"ACCELERATE_USE_MEGATRON_LM": "true", "ACCELERATE_DYNAMO_MODE": "default"}),
+    Case("overwrite-and-resume", "--overwrite_output_dir with --resume_from_checkpoint latest (the resume won, the "
+         "overwrite was dropped unsaid)", ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
+         ["they ask for opposite things", "Drop --overwrite_output_dir to train that run on"]),
 ]
 
 
