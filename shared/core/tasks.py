@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -223,8 +224,9 @@ def check_vocabulary(task: Task, args) -> None:
                          "(model.resize_token_embeddings) and save it.")
 
 
-def task_module(name: str, recipe: str = "RECIPE"):
-    """shared/tasks/<name>.py, by name: a copied recipe carries the task modules it was copied with."""
+def task_module(name: str, recipe: str = "", why: str = "", task: str = ""):
+    """shared/tasks/<name>.py, by name: a copied recipe carries the task modules it was copied with. `why`: what asked
+    for it, where --task did not; `task`: the task it is copied with, where it is not one itself."""
     package = __package__.rsplit(".", 1)[0]  # shared, or recipe_core in a copy
     module = name.replace("-", "_")
     try:
@@ -232,8 +234,9 @@ def task_module(name: str, recipe: str = "RECIPE"):
     except ModuleNotFoundError as err:
         if err.name != f"{package}.tasks.{module}":
             raise
-        raise InputError(f"--task {name}: this copy carries no {package}/tasks/{module}.py. Copy the recipe again "
-                         f"with it: python -m shared.tools.cp {recipe} DEST --task {name}") from None
+        raise InputError(f"{why or '--task ' + name}: this copy carries no {package}/tasks/{module}.py. Copy the "
+                         f"recipe again with it: python -m shared.tools.cp {recipe or Path(sys.argv[0]).stem} DEST "
+                         f"--task {task or name}") from None
 
 
 def given_splits(train: object, val: object | None) -> list[tuple[str, object]]:

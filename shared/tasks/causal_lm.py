@@ -16,7 +16,8 @@ import torch
 from ..core import data, datacheck, datastats, models
 from ..core.errors import InputError
 from ..core.tasks import NO_EXAMPLES, Task, dataloaders, given_splits, limit, preset_vocab, to_dataset, tokenizer_for
-from . import packing
+from . import decoder_presets, packing  # noqa: F401  (decoder_presets: copied with the task, loaded by name)
+from .packing import add_args  # noqa: F401  (--packing: shared/core/args.py adds the chosen task's flags)
 
 logger = logging.getLogger("recipes")
 

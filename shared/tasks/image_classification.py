@@ -29,6 +29,13 @@ loss_fn = None
 compute_metrics = None
 
 
+def add_args(g) -> None:
+    """The image task's flags (shared/core/args.py adds the chosen task's)."""
+    g.add_argument("--train_dir", default=None, help="Image folder: one subfolder per class.")
+    g.add_argument("--validation_dir", default=None)
+    g.add_argument("--image_column", default=None)
+
+
 def builtin_data(n: int, seed: int) -> dict[str, list]:
     """The built-in data (data.builtin_split): striped 32x32 images, resized to the model's size on the fly."""
     return images.pattern_images(n, seed, image_size=32)
