@@ -326,6 +326,8 @@ def parse_args(
     marker = object()
     probe = p.parse_args(argv, namespace=argparse.Namespace(**{a.dest: marker for a in p._actions}))
     args.explicit_flags = {k for k, v in vars(probe).items() if v is not marker}
+    if args.model_preset in DECODERS and not args.model_name_or_path:  # a copy without the decoders says so now
+        task_module("decoder-presets", recipe, f"--model_preset {args.model_preset}", "causal-lm")
     for name, (_, default) in TASK_FLAGS.items():  # another task's flags, at their defaults (TASK_FLAGS)
         if not hasattr(args, name):
             setattr(args, name, default)
