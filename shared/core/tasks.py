@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,12 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
 from . import data, datareport, losses, models, rules
-from .args import DECODER_TASKS
 from .boundary import loading
 from .errors import InputError
 
@@ -117,8 +114,8 @@ class Task:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, eval_dataloader: DataLoader, accelerator) -> dict[str, float]:
-        """Accuracy (or compute_metrics) for classification; token-weighted loss and perplexity for a causal LM (or
-        the mean of loss_fn). Over all processes."""
+        """Accuracy (or compute_metrics) over all processes, and with loss_fn set the mean of it (a causal LM's:
+        causal_lm.py CausalLMTask)."""
         was_training = model.training
         model.eval()
         sums, counts, predictions, targets = [], [], [], []
@@ -131,23 +128,11 @@ class Task:
                 value, count = accelerator.gather((value, count.reshape(1).to(value.device)))
                 sums.append(value.sum().item())
                 counts.append(count.sum().item())
-            elif self.name in DECODER_TASKS:
-                logits, labels = logits[:, :-1], labels[:, 1:]
-                per_token = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
-                value, count = per_token.sum(dim=1), (labels != -100).sum(dim=1)
-                # gather_for_metrics drops the samples duplicated to even out the last batch across processes
-                value, count = accelerator.gather_for_metrics((value, count))
-                sums.append(value.sum().item())
-                counts.append(count.sum().item())
-            if self.name not in DECODER_TASKS:
-                predicted, labels = accelerator.gather_for_metrics((logits.argmax(-1), labels))
-                predictions.append(predicted.cpu())
-                targets.append(labels.cpu())
+            predicted, labels = accelerator.gather_for_metrics((logits.argmax(-1), labels))
+            predictions.append(predicted.cpu())
+            targets.append(labels.cpu())
         model.train(was_training)
-        mean = sum(sums) / max(1, sum(counts))
-        if self.name in DECODER_TASKS:
-            return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50.0))}
-        out = {"eval_loss": mean} if self.loss_fn is not None else {}
+        out = {"eval_loss": sum(sums) / max(1, sum(counts))} if self.loss_fn is not None else {}
         predicted, labels = torch.cat(predictions), torch.cat(targets)
         if self.compute_metrics is None:
             return {**out, "eval_accuracy": (predicted == labels).float().sum().item() / max(1, labels.numel())}

@@ -27,7 +27,7 @@ from ..core.args import number
 from ..core.errors import InputError
 from ..core.tasks import Task, dataloaders, preset_vocab, tokenizer_for
 from . import chat, packing
-from .causal_lm import model_inputs
+from .causal_lm import CausalLMTask, model_inputs
 from .packing import BlockCollator
 
 logger = logging.getLogger("recipes")
@@ -97,7 +97,7 @@ class SFTCollator:
                 "labels": pad("labels", -100)}
 
 
-class SFTTask(Task):
+class SFTTask(CausalLMTask):
     """A causal-LM task whose evaluation may also write greedy answers (--generate N)."""
 
     generate: int = 0
