@@ -14,8 +14,9 @@ from difflib import get_close_matches
 from .boundary import expand_user
 from .errors import LaunchError
 
-# --model_preset (shared/core/models.py builds them). The decoders: tiny-llama and tiny-moe as the recipes' own
-# (fp32, untied, router loss on, full attention), and three shaped as today's checkpoints ship (all stored in bf16).
+# --model_preset (shared/core/models.py; the decoders' configs: shared/tasks/decoder_presets.py). The decoders:
+# tiny-llama and tiny-moe as the recipes' own (fp32, untied, router loss on, full attention), and three shaped as
+# today's checkpoints ship (all stored in bf16).
 DECODERS = ("tiny-llama", "tiny-moe", "tiny-qwen2", "tiny-qwen3-moe", "tiny-mistral")
 PRESETS = ("tiny", "base", *DECODERS)
 

@@ -42,7 +42,6 @@ class Task:
     tokenizer: object | None = None
     extra_files: dict[str, object] = field(default_factory=dict)
     packing: str = "none"  # causal LM: how documents became samples (shared/tasks/packing.py)
-    processor: object | None = None  # image models: the image processor a pipeline needs beside the weights
     stats: dict[str, object] = field(default_factory=dict)  # what the training data holds, for results.json
     router_aux_loss: torch.Tensor | None = None  # a mixture of experts: the last batch's load-balancing loss
     # Your own columns and loss (docs/adapting_a_copy.md): load_task(keep_columns=) keeps data columns in each batch,
@@ -103,14 +102,9 @@ class Task:
         return self.inputs_fn(inputs) if self.inputs_fn is not None else inputs
 
     def tokens_in(self, batch: dict) -> torch.Tensor | int:
-        """Positions the model processed (non-padding tokens; patches + [CLS] for images), for throughput. A tensor
-        where it is counted on the device: reading it on the host would block every step (shared/core/meter.py)."""
-        if "attention_mask" in batch:
-            return batch["attention_mask"].sum()
-        if "input_ids" in batch:
-            return batch["input_ids"].numel()
-        cfg = self.model.config
-        return batch["pixel_values"].shape[0] * ((cfg.image_size // cfg.patch_size) ** 2 + 1)
+        """Positions the model processed (non-padding tokens; images: image_classification.py), for throughput. A
+        tensor where it is counted on the device: read on the host it would block every step (shared/core/meter.py)."""
+        return batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, eval_dataloader: DataLoader, accelerator) -> dict[str, float]:
@@ -139,10 +133,9 @@ class Task:
         return {**out, **{f"eval_{k}": float(v) for k, v in self.compute_metrics(predicted, labels).items()}}
 
     def save_preprocessing(self, output_dir: str) -> None:
-        """What a user needs beside the weights to run the model: the tokenizer, or the image processor."""
-        for preprocessor in (self.tokenizer, self.processor):
-            if preprocessor is not None:
-                preprocessor.save_pretrained(output_dir)
+        """What a user needs beside the weights to run the model: the tokenizer (the image processor: ImageTask)."""
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(output_dir)
 
 
 def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, keep_columns: tuple[str, ...] = ()

@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-DECODER_PRESETS = {"tiny-llama": "llama", "tiny-moe": "mixtral", "tiny-qwen2": "qwen2", "tiny-qwen3-moe": "qwen3_moe",
-                   "tiny-mistral": "mistral"}
 # 4 query heads share 2 key/value heads (GQA): 2 tensor-parallel processes each take 1 KV head and its 2 queries.
 _TINY_DECODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=128, max_position_embeddings=128, tie_word_embeddings=False)
