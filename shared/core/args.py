@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import logging
 import math
 import os
 import sys
 from collections.abc import Callable, Sequence
 from difflib import get_close_matches
+from pathlib import Path
 
 from .boundary import expand_user
-from .errors import LaunchError
+from .errors import InputError, LaunchError
 
 # --model_preset (shared/core/models.py; the decoders' configs: shared/tasks/decoder_presets.py). The decoders:
 # tiny-llama and tiny-moe as the recipes' own (fp32, untied, router loss on, full attention), and three shaped as
@@ -289,8 +291,6 @@ def parse_args(
 
     # The chosen task's flags, and those of another task's flag typed (its module's checks then refuse it, as in a
     # run of that task); a copy without that module is refused with the copy command that adds it.
-    from .tasks import task_module
-
     tokens, recipe = [str(t) for t in (sys.argv[1:] if argv is None else argv)], os.path.splitext(p.prog)[0]
     chosen = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     chosen.add_argument("--task", default=defaults.get("task", "text-classification"))
@@ -353,6 +353,21 @@ def parse_args(
         logging.root.addHandler(handler)
         logging.root.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
     return args  # as typed: values resolved from it (the learning rate, the output dir, ...) are the Launch's
+
+
+def task_module(name: str, recipe: str = "", why: str = "", task: str = ""):
+    """shared/tasks/<name>.py, by name: a copied recipe carries the task modules it was copied with. `why`: what asked
+    for it, where --task did not; `task`: the task it is copied with, where it is not one itself."""
+    package = __package__.rsplit(".", 1)[0]  # shared, or recipe_core in a copy
+    module = name.replace("-", "_")
+    try:
+        return importlib.import_module(f"{package}.tasks.{module}")
+    except ModuleNotFoundError as err:
+        if err.name != f"{package}.tasks.{module}":
+            raise
+        raise InputError(f"{why or '--task ' + name}: this copy carries no {package}/tasks/{module}.py. Copy the "
+                         f"recipe again with it: python -m shared.tools.cp {recipe or Path(sys.argv[0]).stem} DEST "
+                         f"--task {task or name}") from None
 
 
 class _StderrNow(logging.StreamHandler):

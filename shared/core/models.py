@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .args import DECODERS
+from .args import DECODERS, task_module
 from .boundary import diagnose, explain, loading
 from .errors import InputError
 
@@ -50,8 +50,6 @@ def preset_config(task: str, preset: str, vocab_size: int = 30522, num_labels: i
     from transformers import BertConfig, GPT2Config, ViTConfig
 
     if preset in DECODERS:
-        from .tasks import task_module
-
         module = task_module("decoder-presets", why=f"--model_preset {preset}", task="causal-lm")
         return module.preset_config(task, preset, vocab_size, num_labels, **token_ids)
     if task == "text-classification":

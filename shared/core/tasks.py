@@ -6,9 +6,7 @@ columns, the loss, the metrics) is there; this module holds what every task shar
 
 from __future__ import annotations
 
-import importlib
 import logging
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import data, datareport, losses, models, rules
+from .args import task_module
 from .boundary import loading
 from .errors import InputError
 
@@ -200,21 +199,6 @@ def check_vocabulary(task: Task, args) -> None:
                          f"({models.model_source(args)}) embeds {rows}: the ids past {rows - 1} have no row. Pass the "
                          "model's own tokenizer (drop --tokenizer_name), or resize the model's embeddings "
                          "(model.resize_token_embeddings) and save it.")
-
-
-def task_module(name: str, recipe: str = "", why: str = "", task: str = ""):
-    """shared/tasks/<name>.py, by name: a copied recipe carries the task modules it was copied with. `why`: what asked
-    for it, where --task did not; `task`: the task it is copied with, where it is not one itself."""
-    package = __package__.rsplit(".", 1)[0]  # shared, or recipe_core in a copy
-    module = name.replace("-", "_")
-    try:
-        return importlib.import_module(f"{package}.tasks.{module}")
-    except ModuleNotFoundError as err:
-        if err.name != f"{package}.tasks.{module}":
-            raise
-        raise InputError(f"{why or '--task ' + name}: this copy carries no {package}/tasks/{module}.py. Copy the "
-                         f"recipe again with it: python -m shared.tools.cp {recipe or Path(sys.argv[0]).stem} DEST "
-                         f"--task {task or name}") from None
 
 
 def given_splits(train: object, val: object | None) -> list[tuple[str, object]]:
