@@ -300,8 +300,9 @@ def parse_args(
         serves = TASK_FLAGS.get(flag, ((),))[0]
         if serves and not set(serves) & set(modules):
             modules[serves[0]] = task_module(serves[0], recipe, f"--{flag} serves --task {serves[0]}")
-    for module in modules.values():
-        getattr(module, "add_args", lambda _: None)(p.add_argument_group(f"{module.__name__.replace('.', '/')}.py"))
+    for name, module in modules.items():
+        title = f"--task {name} ({module.__name__.replace('.', '/')}.py)"
+        getattr(module, "add_args", lambda _: None)(p.add_argument_group(title))
     if add_recipe_args is not None:
         add_recipe_args(p.add_argument_group("this recipe"))
     for old, (new, value) in RENAMED_FLAGS.items():  # hidden: refused with the new spelling, not 'unrecognized'
