@@ -128,10 +128,18 @@ def _library_log_streams():
     error ---" traceback into another test's output. Each test's handlers write to its own stderr."""
     import logging
 
-    for name in ("datasets", "transformers"):
-        for handler in logging.getLogger(name).handlers:
-            if type(handler) is logging.StreamHandler:
-                handler.stream = sys.stderr  # not setStream: it flushes the old, closed stream
+    # Every logger's (the recipes' own too: an in-process run under one test's capsys made it, then a fuzzed model's
+    # load report in the next test printed that traceback).
+    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(v, logging.Logger))]
+    for handler in (h for logger in loggers for h in logger.handlers):
+        if type(handler) is not logging.StreamHandler:
+            continue
+        if getattr(handler.stream, "closed", False):
+            handler.stream = sys.stderr  # not setStream: it flushes the old, closed stream
+        # transformers binds its handler's flush to the sys.stderr of its first import (utils/logging.py)
+        if getattr(getattr(handler.__dict__.get("flush"), "__self__", None), "closed", False):
+            handler.flush = sys.stderr.flush
     yield
 
 

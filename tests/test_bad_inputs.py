@@ -887,6 +887,11 @@ CASES = [
     Case("megatron-config", "distributed_type: MEGATRON_LM in the launch config (Accelerator() raised ImportError)",
          [], ["distributed_type is MEGATRON_LM", "recipes/tensor_parallel.py"],
          env={"ACCELERATE_USE_MEGATRON_LM": "true", "ACCELERATE_DYNAMO_MODE": "default"}),
+    Case("config-field-dropped", "config.json without hidden_size (the class default, 768, against 32-wide weights)",
+         ["--max_seq_length", "32"], ["its weights' shapes differ from the ones config.json describes",
+                                      "Use the config.json saved with these weights"],
+         setup=lambda t: ["--model_name_or_path", _edited_config(_classifier_dir(t, labels=2), hidden_size=None),
+                          "--train_file", _table(t)]),
     Case("overwrite-and-resume", "--overwrite_output_dir with --resume_from_checkpoint latest (the resume won, the "
          "overwrite was dropped unsaid)", ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
          ["they ask for opposite things", "Drop --overwrite_output_dir to train that run on"]),
@@ -894,11 +899,11 @@ CASES = [
 
 
 def _edited_config(path: Path, **keys: object) -> Path:
-    """`path` with config.json's `keys` set, as a quantizer or an fp16 export leaves it."""
+    """`path` with config.json's `keys` set (None: removed), as a quantizer, an fp16 export or a hand edit leaves it."""
     import json
 
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, **keys}))
+    config = {**json.loads((path / "config.json").read_text()), **keys}
+    (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
     return path
 
 # The earlier rows whose fix is a flag or a recipe, followed (argv, recipe, env); the others' fix is in the data, a

@@ -49,6 +49,11 @@ def explain(what: str, flag: str | None, path: object, err: BaseException | None
     """The message: the flag and path, what is there, the library's own one-line reason, and the fix."""
     name = f"{flag} {str(path)!r}" if flag else str(path)
     found, fix = diagnose(what, None if path is None else str(path))
+    if not found and what == "model" and "mismatched_sizes" in str(err):  # (a classifier of other labels: refused
+        # earlier, models.load_pretrained_config) the saved tensors are not the shapes config.json describes
+        found, fix = ("its weights' shapes differ from the ones config.json describes (a field edited or dropped, "
+                      "or the config.json of another model)", "Use the config.json saved with these weights "
+                      "(save_pretrained writes both), or the weights of the model that config describes.")
     reason = ""
     if err is not None:
         cause = err.__cause__ if isinstance(err, InputError) and err.__cause__ else err
