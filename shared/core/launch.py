@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, TorchDynamoPlugin, set_seed
+from accelerate.utils import InitProcessGroupKwargs, TorchDynamoPlugin, set_seed
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import quiet, rules, rundir
@@ -330,11 +330,7 @@ def start_run(accelerator: Accelerator, launch: Launch) -> None:
             f"{rules.sharding_of(accelerator)} (distributed_type={accelerator.distributed_type.value}). Use a "
             "launch config of that kind (accelerate_configs/), with `use_cpu: false` for DeepSpeed."
         )
-    if (
-        accelerator.mixed_precision == "fp16"
-        and accelerator.device.type == "cpu"
-        and accelerator.distributed_type != DistributedType.DEEPSPEED
-    ):
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":  # (under DeepSpeed: refused)
         _enable_cpu_fp16(accelerator)
 
     args = launch.args
