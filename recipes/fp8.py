@@ -31,7 +31,7 @@ from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.rules import Support
 from shared.core.tasks import load_task
-from shared.techniques.fp8 import check_fp8_launch_config, check_fp8_resolved, fp8_summary
+from shared.techniques.fp8 import check_fp8_launch_config, check_fp8_resolved, fp8_summary, save_fp8_model
 
 RECIPE = "fp8"
 # What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
@@ -102,7 +102,7 @@ def main(argv=None) -> dict:
         preemption.check(step + 1, micro_batches=step + 1)  # agreed at logging steps; saved, exits
         maybe_save_checkpoint(accelerator, launch, step + 1, micro_batches=step + 1, max_steps=max_steps)
 
-    return finish(accelerator, launch, task, model, eval_dl, meter, extras=fp8)
+    return finish(accelerator, launch, task, model, eval_dl, meter, extras=fp8, save=save_fp8_model)
 
 
 if __name__ == "__main__":

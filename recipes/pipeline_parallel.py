@@ -11,7 +11,7 @@ Each process builds and keeps only its stages' parameters. GPT-2, Llama, BERT an
         recipes/pipeline_parallel.py --model_preset base --layers_per_stage 2,4,4,2
 Every process reads the same whole batch (the first stage needs the inputs, the last the labels). Text is padded to
 --max_seq_length: stages exchange fixed-shape tensors. --checkpointing_steps: each process saves its own stages,
-optimizer and scheduler (shared/core/checkpoint.py checkpoint_per_process); resume with the same processes and stages.
+optimizer and scheduler (techniques/pipeline_stages.py checkpoint_per_process); resume on the same processes and stages.
 """
 
 import sys

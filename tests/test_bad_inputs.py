@@ -848,7 +848,59 @@ CASES = [
          ["column 'conversations'", "uses ShareGPT's from/value keys", "human -> user, gpt -> assistant"],
          setup=lambda t: ["--train_file", _jsonl(t, [{"conversations": [{"from": "human", "value": "hi"},
                                                                          {"from": "gpt", "value": "hello"}]}] * 20)]),
+    # Fresh cases of the same classes (their checkpoint, their data, their config), each caught at its check.
+    Case("quantized-checkpoint", "a checkpoint stored quantized (config.json's quantization_config: bitsandbytes, "
+         "GPTQ, fp8, gpt-oss's mxfp4): a raw bitsandbytes assertion, or optimum's ImportError", [],
+         ["stores its weights quantized (quantization_config, quant_method bitsandbytes)",
+          "Pass the checkpoint it was quantized from"],
+         setup=lambda t: ["--model_name_or_path", _edited_config(_classifier_dir(t, labels=2), quantization_config={
+             "quant_method": "bitsandbytes", "load_in_4bit": True}), "--train_file", _table(t)]),
+    Case("fp16-checkpoint-auto", "--weights_dtype auto over an fp16 checkpoint (pure fp16 weights, no loss scaling: "
+         "the loss turned nan at step 1)", ["--weights_dtype", "auto"],
+         ["stores its weights in float16", "no loss scaling", "Pass --weights_dtype fp32"],
+         setup=lambda t: ["--model_name_or_path", _edited_config(_classifier_dir(t, labels=2), dtype="float16"),
+                          "--train_file", _table(t)]),
+    Case("json-records-under-a-key", "a .json file wrapping its records in an object ({'version': 1, 'data': [...]}, "
+         "SQuAD's layout): 'no text column among version, data'", [],
+         ["records are a list under 'data'", "on its own line (jsonl)"],
+         setup=lambda t: ["--train_file", _write(t / "train.json", __import__("json").dumps(
+             {"version": "1", "data": [{"text": x, "label": y} for x, y in _ROWS]}))]),
+    Case("sft-dolly-columns", "Dolly's instruction/context/response columns (only Alpaca's were hinted)",
+         ["--task", "sft", "--model_preset", "tiny-llama"],
+         ["Found no sft columns", "--prompt_column instruction,context --completion_column response"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"instruction": "reverse : a b", "context": "", "response": "b a",
+                                                      "category": "qa"}] * 20)],
+         fix=["--task", "sft", "--model_preset", "tiny-llama", "--prompt_column", "instruction,context",
+              "--completion_column", "response", "--per_device_train_batch_size", "2"]),
+    Case("sft-preference-pairs", "DPO data (prompt/chosen/rejected) given to sft", ["--task", "sft", "--model_preset",
+                                                                                    "tiny-llama"],
+         ["these are preference pairs", "--prompt_column prompt --completion_column chosen"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"prompt": "reverse : a b", "chosen": "b a", "rejected": "a b"}]
+                                                 * 20)],
+         fix=["--task", "sft", "--model_preset", "tiny-llama", "--prompt_column", "prompt", "--completion_column",
+              "chosen", "--per_device_train_batch_size", "2"]),
+    Case("fp8-config-plain-recipe", "mixed_precision: fp8 in the launch config of a recipe that is not fp8.py (GPT-2 "
+         "trained in bf16 under an fp8 label)", [], ["mixed precision 'fp8' (from the launch config)",
+                                                     "Use recipes/fp8.py"],
+         env={"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_DYNAMO_MODE": "default"},
+         fix=[], fix_recipe="fp8", fix_env={"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_DYNAMO_MODE": "default"}),
+    Case("megatron-config", "distributed_type: MEGATRON_LM in the launch config (Accelerator() raised ImportError)",
+         [], ["distributed_type is MEGATRON_LM", "recipes/tensor_parallel.py"],
+         env={"ACCELERATE_USE_MEGATRON_LM": "true", "ACCELERATE_DYNAMO_MODE": "default"}),
+    Case("overwrite-and-resume", "--overwrite_output_dir with --resume_from_checkpoint latest (the resume won, the "
+         "overwrite was dropped unsaid)", ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
+         ["they ask for opposite things", "Drop --overwrite_output_dir to train that run on"]),
 ]
+
+
+def _edited_config(path: Path, **keys: object) -> Path:
+    """`path` with config.json's `keys` set, as a quantizer or an fp16 export leaves it."""
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **keys}))
+    return path
+
 # The earlier rows whose fix is a flag or a recipe, followed (argv, recipe, env); the others' fix is in the data, a
 # pip install, or a launch of several processes (test_following_a_launch_fix_clears_the_rule).
 _FOLLOWED = {

@@ -167,7 +167,7 @@ _ASKS = [
     {}, {"accumulation": 2}, {"optimizer": "adamw_torchao_8bit"}, {"optimizer": "adamw_bnb_8bit"},
     {"optimizer": "adamw_bnb_8bit", "offload": "cpu"}, {"optimizer": "adamw_in_backward", "accumulation": 2},
     {"optimizer": "adamw_in_backward", "max_grad_norm": 1.0}, {"optimizer": "adamw_in_backward", "precision": "fp16"},
-    {"precision": "fp16"}, {"precision": "bf16"}, {"precision": "fp16", "on_accelerator": False},
+    {"precision": "fp16"}, {"precision": "bf16"}, {"precision": "fp8"}, {"precision": "fp16", "on_accelerator": False},
     {"compile": "regional"}, {"load_in": "4bit"}, {"load_in": "8bit", "lora": True},
     {"load_in": "4bit", "lora": True}, {"load_in": "4bit", "lora": True, "dora": True}, {"dora": True},
     {"spread_devices": True}, {"merge_unsaved": True}, {"stages_per_replica": 3}, {"tensor_parallel_size": 3},
@@ -211,8 +211,8 @@ _FACTS = [
 
 
 def _launch_runs():
-    for recipe, (sharding, launched), n, asks in itertools.product(
-            recipes_support(), [(s, s) for s in SHARDINGS] + [("zero2", "fsdp"), ("fsdp", "zero3")], (1, 2, 4), _ASKS):
+    launches = [(s, s) for s in SHARDINGS] + [("zero2", "fsdp"), ("fsdp", "zero3"), ("megatron", "megatron")]
+    for recipe, (sharding, launched), n, asks in itertools.product(recipes_support(), launches, (1, 2, 4), _ASKS):
         yield recipe_run(recipe=recipe, sharding=sharding, launched=launched, num_processes=n, **asks)
 
 

@@ -1,9 +1,8 @@
 """Resumable checkpoints: Accelerate's full training state plus the step and data position, written atomically,
 verified by a manifest (each process checksums what it wrote), and written on SIGTERM, SIGINT, SIGHUP or SIGUSR1
 before the process exits. A checkpoint records its run, the data's content, precision and sharding, and its branch
-of the run's lineage. Pipeline stages, which no process holds whole, and DTensor models add their own state through
-save/load hooks (techniques/pipeline_stages.py checkpoint_per_process, techniques/tensor_parallel.py
-checkpoint_dtensors); the manifest covers what they write."""
+of the run's lineage. State a technique keeps apart from Accelerate's (pipeline stages, DTensor shards) goes through
+its save/load hooks (shared/techniques/); the manifest covers what they write."""
 
 from __future__ import annotations
 
@@ -35,7 +34,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("recipes")
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
-STAGE_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt")  # in each rank_NNNNN/ of a per-process save
 
 
 # A checkpoint records its run (trainer_state.json "run"): every flag but the FREE ones, what the launch resolved, the
@@ -132,11 +130,8 @@ def _read_json(path: Path) -> object:
 
 
 def _sha256(path: Path) -> str:  # the manifests written before crc32 (still verified)
-    h = hashlib.sha256()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 CHUNK = 32 << 20  # a file's crc32 per chunk: the chunks of every file a process wrote are summed in parallel
@@ -298,9 +293,8 @@ def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, 
     Written under a temporary name, hashed into a manifest, then renamed: a run killed mid-save never leaves a
     checkpoint that looks whole. `keep`: how many of this run's newest checkpoints to keep (another run's, in the
     same directory, are never deleted). `final`: another place than checkpoints/step_N (the divergence guard's).
-    `background` (--async_checkpoint, techniques/async_checkpoint.py): training goes on while the shards are written.
-    `writes`: the run's AsyncCheckpoints (--async_checkpoint; None without), whose checkpoint in flight is completed
-    first.
+    `writes`: the run's AsyncCheckpoints under --async_checkpoint (techniques/async_checkpoint.py; None without): its
+    checkpoint in flight is completed first, and a `background` one is written while training goes on.
     """
     if writes is not None:
         writes.wait()
@@ -348,12 +342,10 @@ def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, 
         accelerator.wait_for_everyone()
         return final
 
-    if not background:
-        return complete(lambda: accelerator.save_state(str(tmp)))
-    with writes.deferred():  # the DCP shards staged here, written in the background, completed at the next wait()
-        accelerator.save_state(str(tmp))
-    writes.complete = lambda: complete(writes.written)
-    return final
+    if background:  # the DCP shards staged here, written in the background, completed at the next writes.wait()
+        writes.start(lambda: accelerator.save_state(str(tmp)), complete)
+        return final
+    return complete(lambda: accelerator.save_state(str(tmp)))
 
 
 def logging_step(launch: Launch, step: int, max_steps: int) -> bool:

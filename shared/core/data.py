@@ -187,6 +187,12 @@ def _load_file(path: str):
     if kind == "json" and len(ds) == 1 and all(isinstance(v, dict) for v in ds[0].values()):
         raise InputError(f"{path} is one JSON object of columns ({{column: {{row: value}}}}: pandas' df.to_json(path)"
                          '), not a record per row. Save it with df.to_json(path, orient="records", lines=True).')
+    # One object wrapping the records ({"version": ..., "data": [{...}, ...]}, SQuAD's layout): each record is a row.
+    if kind == "json" and len(ds) == 1 and (wrapped := [k for k, v in ds[0].items() if isinstance(v, list) and v
+                                                        and all(isinstance(r, dict) for r in v)]):
+        raise InputError(f"{path} is one JSON object whose records are a list under {wrapped[0]!r}, not a record per "
+                         f"row. Write each record of {wrapped[0]!r} on its own line (jsonl): "
+                         f"[json.dumps(r) for r in json.load(f)[{wrapped[0]!r}]].")
     return ds
 
 

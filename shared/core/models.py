@@ -131,6 +131,13 @@ def load_pretrained_config(args: argparse.Namespace, **overrides: object) -> Pre
         config = AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code, **overrides)
         saved = type(config).get_config_dict(name)[0]
     check_fits_task(config, args.task, name)
+    if quant := getattr(config, "quantization_config", None):  # GPTQ, AWQ, bitsandbytes, fp8, mxfp4 (gpt-oss) ...
+        method = (quant if isinstance(quant, dict) else quant.to_dict()).get("quant_method", "unnamed")
+        # Packed integer or fp8 weights take no gradient steps; each quantizer's loader fails on its own terms.
+        raise InputError(f"{name!r} stores its weights quantized (quantization_config, quant_method {method}): "
+                         "they cannot be trained as they are. Pass the checkpoint it was quantized from (bf16 or "
+                         "fp32; recipes/qlora.py quantizes that to 4 bits itself, on load), or load this one "
+                         "dequantized and save_pretrained a copy without quantization_config.")
     trained, labels = len(saved.get("id2label") or {}), overrides.get("num_labels")
     if "Classification" in str(config.architectures) and trained not in (0, labels or trained) and not getattr(
             args, "ignore_mismatched_sizes", False):  # its head's saved weights would not load
@@ -221,6 +228,13 @@ def check_weights_dtype(args: argparse.Namespace, config: PretrainedConfig, mixe
     """The weights' training dtype, before any weight loads: refused under fp16 unless fp32; said aloud for auto."""
     dtype, stored = weights_dtype(args, config), str(getattr(config, "dtype", None)).removeprefix("torch.")
     name = str(dtype).removeprefix("torch.")
+    if dtype not in (torch.float32, torch.bfloat16):  # auto over an fp16 (or fp8 ...) checkpoint
+        # Pure fp16 weights have no master copy and no loss scaling: small updates round away, gradients underflow.
+        raise InputError(f"--weights_dtype auto: {args.model_name_or_path or 'the model'} stores its weights in "
+                         f"{name}, and training them in it has no fp32 master copy and no loss scaling (updates "
+                         "round away, gradients underflow: the loss turns nan). Pass --weights_dtype fp32 (the "
+                         "default: the checkpoint upcast; add --mixed_precision fp16 or bf16 to compute in 16 bits) "
+                         "or --weights_dtype bf16.")
     if dtype != torch.float32 and mixed_precision == "fp16":
         why = "--weights_dtype bf16" if args.weights_dtype == "bf16" else f"--weights_dtype auto, stored in {stored}"
         # GradScaler's loss scaling keeps small fp16 gradients from flushing to zero before they reach fp32 master

@@ -125,8 +125,10 @@ def end_run(accelerator) -> None:
         time.sleep(0.2)
 
 
-def save_model(accelerator, model: torch.nn.Module, task, output_dir: str) -> None:
-    """One consolidated model in safetensors that `from_pretrained` loads, whatever held the shards."""
+def save_model(accelerator, model: torch.nn.Module, task, output_dir: str,
+               plain: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    """One consolidated model in safetensors that `from_pretrained` loads, whatever held the shards. `plain`: each
+    tensor as save_pretrained can read it, for weights a technique wraps (techniques/fp8.py save_fp8_model)."""
     accelerator.wait_for_everyone()
     from accelerate.utils.other import has_compiled_regions, is_compiled_module
 
@@ -142,8 +144,8 @@ def save_model(accelerator, model: torch.nn.Module, task, output_dir: str) -> No
     for target in getattr(unwrapped, "all_tied_weights_keys", None) or {}:  # {target: source}, ties in effect
         if state_dict is not None:
             state_dict.pop(target, None)
-    if state_dict is not None:
-        state_dict = {name: _plain(t) for name, t in state_dict.items()}
+    if state_dict is not None and plain is not None:
+        state_dict = {name: plain(t) for name, t in state_dict.items()}
     if accelerator.is_main_process:  # the gathered state is the main process's: ZeRO-3 hands the others None, on
         # which save_pretrained would read their empty partitions (a mixture of experts' fused experts then fail
         # transformers' reverse weight conversion: "chunk expects chunks to be greater than 0")
@@ -152,14 +154,3 @@ def save_model(accelerator, model: torch.nn.Module, task, output_dir: str) -> No
         task.save_preprocessing(output_dir)
         logger.info("saved model to %s", output_dir)
     accelerator.wait_for_everyone()
-
-
-def _plain(tensor: torch.Tensor) -> torch.Tensor:
-    """The weight inside a wrapper subclass that holds one (torchao's float8 weight, WeightWithDynamicFloat8CastTensor):
-    its own storage is invalid, and save_pretrained, reading storage pointers to find ties, failed on it."""
-    from torch.distributed.tensor import DTensor
-
-    if type(tensor) is torch.Tensor or isinstance(tensor, DTensor) or not hasattr(tensor, "__tensor_flatten__"):
-        return tensor
-    inner, _ = tensor.__tensor_flatten__()
-    return getattr(tensor, inner[0]) if len(inner) == 1 else tensor

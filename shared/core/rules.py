@@ -157,7 +157,13 @@ RULES: list[Rule] = [
                    f"{'DeepSpeed' if _kind(r.sharding) == 'zero' else 'FSDP'} itself",
          lambda r: "launch it with a plain config (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml) or one of "
                    f"its own kind ({r.support.instead})"),
-    Rule(lambda r: r.sharding not in r.support.shardings,
+    # A distributed_type no recipe implements (Megatron-LM is its own engine: Accelerator() would fail importing it).
+    Rule(lambda r: r.launched == "megatron",
+         lambda r: "the launch config's distributed_type is MEGATRON_LM: Megatron-LM's engine is not wired into these "
+                   "recipes",
+         lambda r: "use a plain config (accelerate_configs/multi_cpu.yaml, multi_gpu.yaml) with recipes/"
+                   "tensor_parallel.py, pipeline_parallel.py or data_model_parallel.py for its parallelisms"),
+    Rule(lambda r: r.sharding not in r.support.shardings and r.launched != "megatron",
          lambda r: f"recipes/{r.recipe}.py does not implement {launch_words(r)}, which the launch config asks for; "
                    f"{r.support.why_not or 'it would crash or train something else'}",
          lambda r: f"use {r.support.instead}"),
@@ -172,6 +178,12 @@ RULES: list[Rule] = [
     Rule(lambda r: r.support.needs_offload and r.offload == "none",
          lambda r: f"recipes/{r.recipe}.py shows offload, and the launch config offloads nothing",
          lambda r: f"use {r.support.instead}, or recipes/zero.py for ZeRO without offload"),
+    # Accelerate takes fp8 from any launch config, and a model without nn.Linear blocks (GPT-2's Conv1D) then trains
+    # in bf16 under an fp8 label: only recipes/fp8.py checks what was converted.
+    Rule(lambda r: r.precision == "fp8" and r.support.precision != "fp8",
+         lambda r: f"mixed precision 'fp8' (from the launch config): recipes/{r.recipe}.py does not check what fp8 "
+                   "converts, and a model whose blocks are not nn.Linear would train in bf16 under an fp8 label",
+         lambda r: "use recipes/fp8.py, or mixed_precision bf16 in the launch config"),
     Rule(lambda r: r.support.precision not in ("", r.precision),
          lambda r: f"mixed precision {r.precision!r} (from --mixed_precision or the launch config): "
                    f"recipes/{r.recipe}.py trains in {r.support.precision} only",
@@ -342,6 +354,8 @@ def launched_sharding(env: Mapping[str, str] = os.environ) -> tuple[str, str, in
         return f"zero{env.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}", offload_word(devices), world
     if _env_true(env, "ACCELERATE_USE_FSDP"):
         return "fsdp", "cpu" if _env_true(env, "FSDP_OFFLOAD_PARAMS") else "none", world
+    if _env_true(env, "ACCELERATE_USE_MEGATRON_LM"):
+        return "megatron", "none", world
     return ("ddp" if world > 1 else "none"), "none", world
 
 

@@ -70,6 +70,12 @@ def refuse_inputs(args: argparse.Namespace, output_dir: str, resume: str | None)
     not, which would delete them. Links are followed. A checkpoint of this run's own (output_dir/checkpoints/...) is
     its resume."""
     out = Path(output_dir).expanduser().resolve()
+    typed = args.resume_from_checkpoint  # (an elastic restart's own 'latest' is not typed: it follows the first try)
+    if args.overwrite_output_dir and typed and (typed == "latest" or out in Path(typed).expanduser().resolve().parents):
+        # claim() would keep the run to resume it, and --overwrite_output_dir would be silently dropped
+        raise CheckpointError(f"--overwrite_output_dir removes the run in {output_dir!r}, and --resume_from_checkpoint "
+                              f"{typed} continues it: they ask for opposite things. Drop --overwrite_output_dir to "
+                              "train that run on, or drop --resume_from_checkpoint to start afresh.")
     for name in READS:
         value = resume if name == "resume_from_checkpoint" else getattr(args, name, None)
         if not value or value == "latest" or not Path(value).expanduser().exists():  # a hub id reads no local path

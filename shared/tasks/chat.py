@@ -32,6 +32,26 @@ class Layout:
     columns: tuple[str, ...]  # messages: (col,); prompt/completion: (*prompt cols, completion col); text: (col,)
 
 
+# Columns of the instruction layouts datasets ship (Alpaca, Dolly, OpenOrca, GSM8K, MetaMath ...), in the order
+# their parts are read: a layout the guesses miss gets the flags that name its columns.
+PROMPT_NAMES = ("system_prompt", "instruction", "question", "query", "problem", "context", "input")
+ANSWER_NAMES = ("output", "response", "answer", "solution", "completion")
+
+
+def _named_layout(columns: list[str]) -> str:
+    """The flags for the columns found, in words ('' when none of the known names are there)."""
+    if {"chosen", "rejected"} <= set(columns):  # DPO-style pairs: sft learns one answer, the chosen one
+        prompt = "--prompt_column prompt --completion_column chosen" if "prompt" in columns else (
+            "--messages_column chosen")
+        return (f" (these are preference pairs, chosen/rejected, for DPO: sft trains on demonstrations; to train the "
+                f"chosen answers: {prompt})")
+    prompts = [c for c in PROMPT_NAMES if c in columns]
+    answer = next((c for c in ANSWER_NAMES if c in columns), None)
+    if prompts and answer:
+        return f" (here: --prompt_column {','.join(prompts)} --completion_column {answer})"
+    return ""
+
+
 def pick_layout(columns: list[str], args) -> Layout:
     """The layout from the columns, or from the flags that name them; two layouts and no choice are refused."""
     given = {"messages": args.messages_column, "prompt/completion": args.prompt_column or args.completion_column,
@@ -52,11 +72,10 @@ def pick_layout(columns: list[str], args) -> Layout:
                              "a choice. Pass --messages_column messages, --prompt_column prompt, or --text_column "
                              "text.")
         if not present:
-            alpaca = " (Alpaca: --prompt_column instruction,input --completion_column output)" if {
-                "instruction", "output"} <= set(columns) else ""
             raise InputError(f"Found no sft columns among {columns}: a 'messages' (or 'conversations') column of "
                              "conversations, 'prompt' and 'completion' columns, or a 'text' column. Pass "
-                             f"--messages_column, --prompt_column with --completion_column{alpaca}, or --text_column.")
+                             f"--messages_column, --prompt_column with --completion_column{_named_layout(columns)}, "
+                             "or --text_column.")
         kind = present[0]
     if kind == "prompt/completion":
         prompts = tuple(c.strip() for c in (args.prompt_column or "prompt").split(","))

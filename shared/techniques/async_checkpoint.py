@@ -58,6 +58,13 @@ class AsyncCheckpoints:
         finally:
             dcp.save = real
 
+    def start(self, save: Callable[[], object], complete: Callable[[Callable[[], object]], object]) -> None:
+        """Run `save` (Accelerate's save_state) with its DCP writes in the background; `complete(written)`, the
+        spine's manifest and rename (shared/core/checkpoint.py save_checkpoint), runs at the next wait()."""
+        with self.deferred():
+            save()
+        self.complete = lambda: complete(self.written)
+
     def written(self) -> None:
         """Block until this process's writes of the checkpoint in flight are on disk (a write's error raised here)."""
         futures, self.futures = self.futures, []

@@ -17,7 +17,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils.ao import find_first_last_linear_layers
 
-from ..core import rules
+from ..core import results, rules
 from ..core.errors import LaunchError
 from ..core.rules import Rule
 from . import quant  # noqa: F401  (its rule on weights outside nn.Linear)
@@ -86,6 +86,23 @@ def fp8_summary(accelerator: Accelerator, model: torch.nn.Module) -> dict:
                       outside_linear=weights_outside_linear(inner))
     return {"fp8_backend": "AO (torchao float8, AORecipeKwargs)", "fp8_linears": len(converted),
             "fp8_linear_names": converted, "kept_high_precision": kept}
+
+
+def save_fp8_model(accelerator: Accelerator, model: torch.nn.Module, task, output_dir: str) -> None:
+    """finish()'s save with each float8 weight as the weight it holds: Accelerate's default Float8LinearConfig
+    (enable_fsdp_float8_all_gather) wraps it in torchao's WeightWithDynamicFloat8CastTensor, whose own storage is
+    invalid, and save_pretrained, reading storage pointers to find ties, failed on it."""
+    results.save_model(accelerator, model, task, output_dir, plain=_plain)
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor inside a wrapper subclass that holds one; any other as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if type(tensor) is torch.Tensor or isinstance(tensor, DTensor) or not hasattr(tensor, "__tensor_flatten__"):
+        return tensor
+    inner, _ = tensor.__tensor_flatten__()
+    return getattr(tensor, inner[0]) if len(inner) == 1 else tensor
 
 
 # The refusals of this technique, in the rule table (shared/core/rules.py) once this module is imported.

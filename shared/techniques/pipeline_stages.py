@@ -19,12 +19,13 @@ from torch import nn
 from ..core import rules
 from ..core.args import DECODER_TASKS
 from ..core.attention import SLIDING, attention_features, layer_attention_types
-from ..core.checkpoint import STAGE_FILES
 from ..core.errors import InputError, LaunchError
 from ..core.losses import summed_loss as summed_loss  # the last stage's loss_fn: the spine's own
 from ..core.models import transformer_layers
 from ..core.optim import kept_apart
 from ..core.rules import Rule
+
+STAGE_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt")  # in each rank_NNNNN/ of a per-process save
 
 
 def stage_loss(task) -> Callable:

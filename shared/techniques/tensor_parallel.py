@@ -20,7 +20,6 @@ from torch import nn
 
 from ..core import rules
 from ..core.attention import attention_features
-from ..core.checkpoint import STAGE_FILES
 from ..core.errors import LaunchError
 from ..core.models import transformer_layers
 from ..core.optim import kept_apart
@@ -282,6 +281,9 @@ def local_param_counts(model: nn.Module) -> dict[str, int]:
     return counts
 
 
+SCHEDULER_FILE = "scheduler.pt"  # the schedule's state beside dcp/ (the same on every process)
+
+
 def checkpoint_dtensors(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                        layout: dict[str, int]) -> None:
     """Make save_state/load_state save and restore a model whose parameters are DTensors (tensor parallel, FSDP2 on
@@ -301,7 +303,7 @@ def checkpoint_dtensors(accelerator, model: nn.Module, optimizer: torch.optim.Op
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(Path(output_dir) / "dcp"))
         if accelerator.is_main_process:  # the same on every process
-            torch.save(scheduler.state_dict(), Path(output_dir) / STAGE_FILES[2])
+            torch.save(scheduler.state_dict(), Path(output_dir) / SCHEDULER_FILE)
             (Path(output_dir) / "mesh.json").write_text(json.dumps(layout))
 
     def load_hook(_models: list, input_dir: str) -> None:
@@ -319,7 +321,7 @@ def checkpoint_dtensors(accelerator, model: nn.Module, optimizer: torch.optim.Op
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=str(Path(input_dir) / "dcp"))  # into this process's shards, in place
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        scheduler.load_state_dict(torch.load(Path(input_dir) / STAGE_FILES[2], weights_only=True))
+        scheduler.load_state_dict(torch.load(Path(input_dir) / SCHEDULER_FILE, weights_only=True))
 
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
