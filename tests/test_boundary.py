@@ -152,8 +152,11 @@ def test_a_saved_dataset_loads_and_is_named_so(tmp_path):
     import datasets
 
     single = _saved_dataset(tmp_path)
+    saved = sorted(p.name for p in Path(single).iterdir())
     r = run_recipe("baseline", tmp_path / "one", "--dataset_name", single, *FAST)
     assert r["data"] == f"dataset saved with save_to_disk {single}"
+    # The user's folder is read, never written: map()'s cache-*.arrow files went there before.
+    assert sorted(p.name for p in Path(single).iterdir()) == saved
     ds = datasets.Dataset.from_dict({"text": [t for t, _ in _ROWS], "label": [y for _, y in _ROWS]})
     datasets.DatasetDict(train=ds, validation=ds.select(range(8))).save_to_disk(tmp_path / "dict")
     with pytest.raises(SystemExit, match="validation rows occur in the training data"):  # the dict's own splits

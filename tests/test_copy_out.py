@@ -458,10 +458,18 @@ def test_a_copied_baseline_carries_the_spine_alone(tmp_path):
 
     dest = _outside(tmp_path)
     copy_recipe("baseline", dest)
-    proc = subprocess.run([sys.executable, "baseline.py", "--task", "causal-lm", *SMALL], cwd=dest, env=_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1 and "python -m shared.tools.cp baseline DEST --task causal-lm" in proc.stderr, (
-        proc.stderr[-2000:])
+    # Another task, one of its flags (before argparse could call it unrecognized), or a decoder preset: each refused
+    # with the copy command that adds its module.
+    for argv, task, says in ((["--task", "causal-lm"], "causal-lm", "--task causal-lm: "),
+                             (["--messages_column", "m"], "sft", "--messages_column serves --task sft: "),
+                             (["--packing=none"], "causal-lm", "--packing serves --task causal-lm: "),
+                             (["--model_preset", "tiny-llama"], "causal-lm", "--model_preset tiny-llama: ")):
+        proc = subprocess.run([sys.executable, "baseline.py", *argv, *SMALL], cwd=dest, env=_env(),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 1 and says + "this copy carries no recipe_core/tasks/" in proc.stderr, (
+            argv, proc.stderr[-2000:])
+        assert f"python -m shared.tools.cp baseline DEST --task {task}" in proc.stderr, (argv, proc.stderr[-2000:])
+        assert "unrecognized" not in proc.stderr and "train:" not in proc.stderr, (argv, proc.stderr[-2000:])
 
 
 def test_copied_lines_and_the_layout_table():

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from shared.core import data
-from shared.core.args import PACKING
 from shared.core.tasks import Task
 from shared.tasks import causal_lm, images, packing
 from shared.tasks import text_classification as reviews
+from shared.tasks.packing import PACKING
 from tests.conftest import load_params, max_param_diff, run_recipe
 
 VOCAB = "the cat dog ran to a red blue house and field one two three fox owl river road garden".split()

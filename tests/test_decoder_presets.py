@@ -57,9 +57,9 @@ def test_the_router_loss_is_in_the_loss_a_recipe_trains_on(tmp_path, monkeypatch
     trained = run_recipe("baseline", tmp_path / "a", "--task", "causal-lm", "--model_preset", "tiny-moe",
                          "--max_train_steps", 2, *TINY)
     assert trained["model_type"] == "mixtral" and trained["router_aux_loss"] > 1.0  # top-2 of 4: 2 when balanced
-    from shared.core import models
+    from shared.tasks import decoder_presets
 
-    monkeypatch.setitem(models._TINY_MOE, "router_aux_loss_coef", 0.0)
+    monkeypatch.setitem(decoder_presets._TINY_MOE, "router_aux_loss_coef", 0.0)
     plain = run_recipe("baseline", tmp_path / "b", "--task", "causal-lm", "--model_preset", "tiny-moe",
                        "--max_train_steps", 1, *TINY)
     # One step: the aux loss it reports is the first step's, the same in both runs.

@@ -109,6 +109,23 @@ def test_every_recipe_is_in_the_rule_table():
     assert set(CATALOGUE) == set(RECIPES)
 
 
+def test_help_shows_the_chosen_tasks_flags(capsys):
+    """A task's flags are its module's (add_args in shared/tasks/): --help shows the chosen task's; a run of another
+    task holds them at the defaults they have there (results.json and a checkpoint's record read as before)."""
+    from shared.core.args import TASK_FLAGS, TASKS, parse_args
+
+    for task in TASKS:
+        with pytest.raises(SystemExit):
+            parse_args(["--task", task, "--help"])
+        out = capsys.readouterr().out
+        assert {f for f in TASK_FLAGS if re.search(rf"^  --{f}\b", out, re.M)} == {
+            f for f, (serves, _) in TASK_FLAGS.items() if task in serves}, task
+    plain = parse_args([])
+    for flag, (serves, default) in TASK_FLAGS.items():
+        assert getattr(plain, flag) == default == getattr(parse_args(["--task", serves[-1]]), flag), flag
+    assert parse_args(["--packing", "none"]).packing == "none"  # typed for another task: parsed, the rules refuse it
+
+
 @pytest.mark.parametrize("recipe", ["baseline", "qlora"])
 def test_help_keeps_the_docstring_and_shows_every_default(recipe):
     start = time.perf_counter()

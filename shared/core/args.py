@@ -4,25 +4,33 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import logging
 import math
 import os
 import sys
 from collections.abc import Callable, Sequence
 from difflib import get_close_matches
+from pathlib import Path
 
 from .boundary import expand_user
-from .errors import LaunchError
+from .errors import InputError, LaunchError
 
-# --model_preset (shared/core/models.py builds them). The decoders: tiny-llama and tiny-moe as the recipes' own
-# (fp32, untied, router loss on, full attention), and three shaped as today's checkpoints ship (all stored in bf16).
+# --model_preset (shared/core/models.py; the decoders' configs: shared/tasks/decoder_presets.py). The decoders:
+# tiny-llama and tiny-moe as the recipes' own (fp32, untied, router loss on, full attention), and three shaped as
+# today's checkpoints ship (all stored in bf16).
 DECODERS = ("tiny-llama", "tiny-moe", "tiny-qwen2", "tiny-qwen3-moe", "tiny-mistral")
 PRESETS = ("tiny", "base", *DECODERS)
 
 TASKS = ("text-classification", "causal-lm", "image-classification", "sft")
 DECODER_TASKS = ("causal-lm", "sft")  # trained with the next-token loss (sft: on its target tokens only)
-SFT_FLAGS = ("chat_template", "messages_column", "prompt_column", "completion_column", "train_on_prompt", "generate")
-PACKING = ("concat", "per_document", "none")  # shared/tasks/packing.py
+# A task's own flags are its module's (add_args in shared/tasks/<task>.py). The spine keeps their tasks and defaults:
+# another task's run records them at these (results.json, a checkpoint's run), and a copy without their task says so.
+TASK_FLAGS = {"packing": (("causal-lm", "sft"), "concat"), "train_on_prompt": (("sft",), False),
+              "generate": (("sft",), 0), **dict.fromkeys(("train_dir", "validation_dir", "image_column"),
+                                                        (("image-classification",), None)),
+              **dict.fromkeys(("messages_column", "prompt_column", "completion_column", "chat_template"),
+                              (("sft",), None))}
 # Resolved after parsing when --learning_rate is unset: fine-tuning pretrained weights (the Transformers examples'
 # default) wants a far smaller step than training a randomly initialised preset from scratch.
 PRETRAINED_LR, FROM_SCRATCH_LR = 5e-5, 1e-3
@@ -163,10 +171,13 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:
         if message.startswith("unrecognized arguments: "):  # argparse says no more: name the flag meant
             for flag in [t.split("=")[0] for t in message.split()[2:] if t[:1] == "-" and t.strip("-")[:1].isalpha()]:
-                message += f". {flag}: {flag_hint(flag, self._option_string_actions)}"
+                message += f". {flag}: {flag_hint(flag, {**self._option_string_actions, **_TASK_OPTIONS})}"
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # under a launcher: shown once, in its summary (entrypoint)
             raise LaunchError(f"{self.prog}: error: {message}")
         super().error(message)
+
+
+_TASK_OPTIONS = {f"--{f}": None for f in TASK_FLAGS}  # hinted as ours: typed, they load their task's module
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -218,38 +229,13 @@ def parse_args(
     g.add_argument("--dataset_config_name", default=None)
     g.add_argument("--train_file", default=None, help="csv, json/jsonl, parquet (txt for causal-lm).")
     g.add_argument("--validation_file", default=None)
-    g.add_argument("--train_dir", default=None, help="Image folder: one subfolder per class.")
-    g.add_argument("--validation_dir", default=None)
     g.add_argument("--text_column", default=None)
     g.add_argument("--text_pair_column", default=None,
                    help="text-classification of sentence pairs (GLUE MRPC, MNLI): the second text's column; the "
                         "tokenizer gets (text, text_pair).")
     g.add_argument("--label_column", default=None)
-    g.add_argument("--image_column", default=None)
     g.add_argument("--max_seq_length", type=COUNT, default=128,
                    help="Tokens per sample: the block length when packed, the cut otherwise.")
-    g.add_argument("--packing", default="concat", choices=PACKING,
-                   help="causal-lm: how documents (rows, or lines of a .txt) become samples (sft: per_document by "
-                        "default, whole conversations; or none). concat: tokenized, "
-                        "joined with EOS between documents and cut into blocks of --max_seq_length, the last partial "
-                        "block of each 1000 documents dropped (as Transformers' run_clm): no padding, nearly every "
-                        "token trained. per_document: the same "
-                        "blocks, but no token attends to or predicts across a document boundary (a block-diagonal "
-                        "causal mask and position_ids restarting at each document). none: one document per sample, "
-                        "padded, and cut at --max_seq_length (what does not fit is lost; the run warns). Packed, "
-                        "--max_train_samples and --max_eval_samples count blocks.")
-    g.add_argument("--messages_column", default=None, help="sft: the column of conversations (a list of {role, "
-                   "content}); guessed: messages, conversations.")
-    g.add_argument("--prompt_column", default=None, help="sft: the prompt column, or several joined by a blank line "
-                   "(Alpaca: instruction,input); guessed: prompt.")
-    g.add_argument("--completion_column", default=None, help="sft: the answer column (Alpaca: output); guessed: "
-                   "completion.")
-    g.add_argument("--chat_template", default=None, help="sft: a Jinja chat template file, used instead of the "
-                   "tokenizer's own (a tokenizer without one gets a plain built-in template).")
-    g.add_argument("--train_on_prompt", action="store_true", help="sft: every token is a target, the prompts too "
-                   "(default: the assistant turns or the completion only).")
-    g.add_argument("--generate", type=number(int, low=0), default=0, help="sft: after training, greedy answers to "
-                   "the first N validation prompts, written to samples.jsonl beside results.json.")
     g.add_argument("--dataloader_num_workers", type=number(int, low=0), default=0,
                    help="Processes that load and collate batches (0: the training process itself). Memory is pinned "
                         "when the device is CUDA.")
@@ -303,6 +289,20 @@ def parse_args(
     g.add_argument("--preflight", action="store_true",
                    help="Resolve and check the configuration, print it, and stop before the first step.")
 
+    # The chosen task's flags, and those of another task's flag typed (its module's checks then refuse it, as in a
+    # run of that task); a copy without that module is refused with the copy command that adds it.
+    tokens, recipe = [str(t) for t in (sys.argv[1:] if argv is None else argv)], os.path.splitext(p.prog)[0]
+    chosen = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    chosen.add_argument("--task", default=defaults.get("task", "text-classification"))
+    task = chosen.parse_known_args(tokens)[0].task
+    modules = {task: task_module(task, recipe)} if task in TASKS else {}
+    for flag in (t.split("=")[0][2:] for t in tokens if t.startswith("--")):
+        serves = TASK_FLAGS.get(flag, ((),))[0]
+        if serves and not set(serves) & set(modules):
+            modules[serves[0]] = task_module(serves[0], recipe, f"--{flag} serves --task {serves[0]}")
+    for name, module in modules.items():
+        title = f"--task {name} ({module.__name__.replace('.', '/')}.py)"
+        getattr(module, "add_args", lambda _: None)(p.add_argument_group(title))
     if add_recipe_args is not None:
         add_recipe_args(p.add_argument_group("this recipe"))
     for old, (new, value) in RENAMED_FLAGS.items():  # hidden: refused with the new spelling, not 'unrecognized'
@@ -316,7 +316,7 @@ def parse_args(
     args = p.parse_args(argv)
     for dest, value in vars(args).items():  # a quoted '~/x' reaches us unexpanded: one meaning for every path flag
         setattr(args, dest, expand_user(value))
-    seen, tokens = {}, [str(t) for t in (sys.argv[1:] if argv is None else argv)]  # argparse keeps the last silently
+    seen = {}  # argparse keeps the last silently
     for i, (flag, eq, value) in enumerate(t.partition("=") for t in tokens):
         action = p._option_string_actions.get(flag) if flag.startswith("--") else None
         value = value if eq else tokens[i + 1] if action and action.nargs != 0 and i + 1 < len(tokens) else ""
@@ -328,11 +328,15 @@ def parse_args(
     marker = object()
     probe = p.parse_args(argv, namespace=argparse.Namespace(**{a.dest: marker for a in p._actions}))
     args.explicit_flags = {k for k, v in vars(probe).items() if v is not marker}
-    # Combinations that would silently do less than asked.
-    if args.task != "sft" and (given := [f"--{f}" for f in SFT_FLAGS if f in args.explicit_flags]):
-        p.error(f"{', '.join(given)} {'serve' if len(given) > 1 else 'serves'} --task sft (chat and instruction "
-                f"data), not --task {args.task}. "
-                "Pass --task sft, or drop them.")
+    if args.model_preset in DECODERS and not args.model_name_or_path:  # a copy without the decoders says so now
+        task_module("decoder-presets", recipe, f"--model_preset {args.model_preset}", "causal-lm")
+    for name, (_, default) in TASK_FLAGS.items():  # another task's flags, at their defaults (TASK_FLAGS)
+        if not hasattr(args, name):
+            setattr(args, name, default)
+    # Combinations that would silently do less than asked: a task module's own first (sft's flags for another task).
+    for module in modules.values():
+        if hasattr(module, "check_args"):
+            module.check_args(args, p.error)
     if args.save_total_limit is not None and args.checkpointing_steps is None:
         p.error("--save_total_limit keeps the newest N checkpoints, but none are written without "
                 "--checkpointing_steps. Pass --checkpointing_steps N too, or drop --save_total_limit.")
@@ -350,6 +354,21 @@ def parse_args(
         logging.root.addHandler(handler)
         logging.root.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
     return args  # as typed: values resolved from it (the learning rate, the output dir, ...) are the Launch's
+
+
+def task_module(name: str, recipe: str = "", why: str = "", task: str = ""):
+    """shared/tasks/<name>.py, by name: a copied recipe carries the task modules it was copied with. `why`: what asked
+    for it, where --task did not; `task`: the task it is copied with, where it is not one itself."""
+    package = __package__.rsplit(".", 1)[0]  # shared, or recipe_core in a copy
+    module = name.replace("-", "_")
+    try:
+        return importlib.import_module(f"{package}.tasks.{module}")
+    except ModuleNotFoundError as err:
+        if err.name != f"{package}.tasks.{module}":
+            raise
+        raise InputError(f"{why or '--task ' + name}: this copy carries no {package}/tasks/{module}.py. Copy the "
+                         f"recipe again with it: python -m shared.tools.cp {recipe or Path(sys.argv[0]).stem} DEST "
+                         f"--task {task or name}") from None
 
 
 class _StderrNow(logging.StreamHandler):

@@ -119,6 +119,9 @@ def load_raw_splits(args: argparse.Namespace) -> tuple[object, object, str]:
             # save_to_disk's folder: load_dataset refuses it ("use load_from_disk instead")
             with loading("saved dataset", "--dataset_name", args.dataset_name):
                 loaded = datasets.load_from_disk(str(saved))
+            # map() would write its cache-*.arrow files into the user's folder, beside the saved data: a temporary
+            # folder holds them instead (datasets deletes it at exit; the tokenization is then redone each run).
+            datasets.disable_caching()
             if isinstance(loaded, datasets.Dataset):  # one split: the validation rows are held out below
                 loaded = datasets.DatasetDict(train=loaded)
             kind = "dataset saved with save_to_disk"

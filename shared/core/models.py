@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .args import DECODERS, task_module
 from .boundary import diagnose, explain, loading
 from .errors import InputError
 
@@ -39,53 +40,18 @@ def __getattr__(name: str) -> object:
     raise AttributeError(name)
 
 
-# Decoder presets (--model_preset; shared/core/args.py PRESETS): today's decoders (RMSNorm, rotary positions,
-# grouped-query attention, SwiGLU, an untied head), as Llama and Mixtral (a mixture of experts) build them. They
-# serve text: a causal LM, or a classifier on the last token.
-DECODER_PRESETS = {"tiny-llama": "llama", "tiny-moe": "mixtral", "tiny-qwen2": "qwen2", "tiny-qwen3-moe": "qwen3_moe",
-                   "tiny-mistral": "mistral"}
-# 4 query heads share 2 key/value heads (GQA): 2 tensor-parallel processes each take 1 KV head and its 2 queries.
-_TINY_DECODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, max_position_embeddings=128, tie_word_embeddings=False)
-# 4 experts, each token routed to 2; the router's load-balancing loss counts in training (output_router_logits).
-# Jitter off: it draws random numbers in the forward, so runs that differ only in batching would not match.
-_TINY_MOE = dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
-                 router_jitter_noise=0.0)
-
-
-# Shaped as today's checkpoints ship (issue 33): stored in bf16 (config.json's dtype: --weights_dtype fp32, the
-# default, upcasts it); Qwen2.5 / Llama 3.2 1B-3B tie the head to the embedding; Qwen3-MoE and Mixtral ship
-# output_router_logits false (the recipes switch it on: models.train_router); Mistral and Gemma attend within a
-# sliding window (16 tokens here: shorter than the sequences the tests and the presets sweep train on).
-_SHIPPED = {"tiny-qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
-            "tiny-qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                                                      output_router_logits=False, router_aux_loss_coef=0.001,
-                                                      head_dim=16)),
-            "tiny-mistral": ("MistralConfig", dict(sliding_window=16))}
-
-
 def preset_config(task: str, preset: str, vocab_size: int = 30522, num_labels: int = 2,
                   **token_ids: int | None) -> PretrainedConfig:
     """tiny: trains in seconds on CPU. base: BERT-base, GPT-2 124M and ViT-B/16 dimensions with random weights.
-    tiny-llama, tiny-moe: a Llama-style decoder and a Mixtral-style mixture of experts, as small as tiny, for text.
+    The decoders (tiny-llama ...): shared/tasks/decoder_presets.py, copied with the causal-lm and sft tasks.
 
     token_ids: pad/bos/eos ids of the tokenizer the model is built for.
     """
-    from transformers import BertConfig, GPT2Config, LlamaConfig, MixtralConfig, ViTConfig
+    from transformers import BertConfig, GPT2Config, ViTConfig
 
-    if preset in DECODER_PRESETS:
-        if task == "image-classification":  # refused earlier by the rule table; a direct caller gets it here
-            raise ValueError(f"--model_preset {preset} is a text model; --task image-classification needs a ViT")
-        if preset in _SHIPPED:
-            import transformers
-
-            name, shape = _SHIPPED[preset]
-            return getattr(transformers, name)(vocab_size=vocab_size, num_labels=num_labels,
-                                               **{**_TINY_DECODER, **shape}, dtype="bfloat16", **token_ids)
-        if preset == "tiny-moe":
-            return MixtralConfig(vocab_size=vocab_size, num_labels=num_labels, **_TINY_DECODER, **_TINY_MOE,
-                                 **token_ids)
-        return LlamaConfig(vocab_size=vocab_size, num_labels=num_labels, **_TINY_DECODER, **token_ids)
+    if preset in DECODERS:
+        module = task_module("decoder-presets", why=f"--model_preset {preset}", task="causal-lm")
+        return module.preset_config(task, preset, vocab_size, num_labels, **token_ids)
     if task == "text-classification":
         dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                     max_position_embeddings=128, vocab_size=vocab_size) if preset == "tiny" else {}

@@ -6,21 +6,18 @@ columns, the loss, the metrics) is there; this module holds what every task shar
 
 from __future__ import annotations
 
-import importlib
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
 from . import data, datareport, losses, models, rules
-from .args import DECODER_TASKS
+from .args import task_module
 from .boundary import loading
 from .errors import InputError
 
@@ -44,7 +41,6 @@ class Task:
     tokenizer: object | None = None
     extra_files: dict[str, object] = field(default_factory=dict)
     packing: str = "none"  # causal LM: how documents became samples (shared/tasks/packing.py)
-    processor: object | None = None  # image models: the image processor a pipeline needs beside the weights
     stats: dict[str, object] = field(default_factory=dict)  # what the training data holds, for results.json
     router_aux_loss: torch.Tensor | None = None  # a mixture of experts: the last batch's load-balancing loss
     # Your own columns and loss (docs/adapting_a_copy.md): load_task(keep_columns=) keeps data columns in each batch,
@@ -105,19 +101,14 @@ class Task:
         return self.inputs_fn(inputs) if self.inputs_fn is not None else inputs
 
     def tokens_in(self, batch: dict) -> torch.Tensor | int:
-        """Positions the model processed (non-padding tokens; patches + [CLS] for images), for throughput. A tensor
-        where it is counted on the device: reading it on the host would block every step (shared/core/meter.py)."""
-        if "attention_mask" in batch:
-            return batch["attention_mask"].sum()
-        if "input_ids" in batch:
-            return batch["input_ids"].numel()
-        cfg = self.model.config
-        return batch["pixel_values"].shape[0] * ((cfg.image_size // cfg.patch_size) ** 2 + 1)
+        """Positions the model processed (non-padding tokens; images: image_classification.py), for throughput. A
+        tensor where it is counted on the device: read on the host it would block every step (shared/core/meter.py)."""
+        return batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, eval_dataloader: DataLoader, accelerator) -> dict[str, float]:
-        """Accuracy (or compute_metrics) for classification; token-weighted loss and perplexity for a causal LM (or
-        the mean of loss_fn). Over all processes."""
+        """Accuracy (or compute_metrics) over all processes, and with loss_fn set the mean of it (a causal LM's:
+        causal_lm.py CausalLMTask)."""
         was_training = model.training
         model.eval()
         sums, counts, predictions, targets = [], [], [], []
@@ -130,33 +121,20 @@ class Task:
                 value, count = accelerator.gather((value, count.reshape(1).to(value.device)))
                 sums.append(value.sum().item())
                 counts.append(count.sum().item())
-            elif self.name in DECODER_TASKS:
-                logits, labels = logits[:, :-1], labels[:, 1:]
-                per_token = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
-                value, count = per_token.sum(dim=1), (labels != -100).sum(dim=1)
-                # gather_for_metrics drops the samples duplicated to even out the last batch across processes
-                value, count = accelerator.gather_for_metrics((value, count))
-                sums.append(value.sum().item())
-                counts.append(count.sum().item())
-            if self.name not in DECODER_TASKS:
-                predicted, labels = accelerator.gather_for_metrics((logits.argmax(-1), labels))
-                predictions.append(predicted.cpu())
-                targets.append(labels.cpu())
+            predicted, labels = accelerator.gather_for_metrics((logits.argmax(-1), labels))
+            predictions.append(predicted.cpu())
+            targets.append(labels.cpu())
         model.train(was_training)
-        mean = sum(sums) / max(1, sum(counts))
-        if self.name in DECODER_TASKS:
-            return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50.0))}
-        out = {"eval_loss": mean} if self.loss_fn is not None else {}
+        out = {"eval_loss": sum(sums) / max(1, sum(counts))} if self.loss_fn is not None else {}
         predicted, labels = torch.cat(predictions), torch.cat(targets)
         if self.compute_metrics is None:
             return {**out, "eval_accuracy": (predicted == labels).float().sum().item() / max(1, labels.numel())}
         return {**out, **{f"eval_{k}": float(v) for k, v in self.compute_metrics(predicted, labels).items()}}
 
     def save_preprocessing(self, output_dir: str) -> None:
-        """What a user needs beside the weights to run the model: the tokenizer, or the image processor."""
-        for preprocessor in (self.tokenizer, self.processor):
-            if preprocessor is not None:
-                preprocessor.save_pretrained(output_dir)
+        """What a user needs beside the weights to run the model: the tokenizer (the image processor: ImageTask)."""
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(output_dir)
 
 
 def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, keep_columns: tuple[str, ...] = ()
@@ -221,19 +199,6 @@ def check_vocabulary(task: Task, args) -> None:
                          f"({models.model_source(args)}) embeds {rows}: the ids past {rows - 1} have no row. Pass the "
                          "model's own tokenizer (drop --tokenizer_name), or resize the model's embeddings "
                          "(model.resize_token_embeddings) and save it.")
-
-
-def task_module(name: str, recipe: str = "RECIPE"):
-    """shared/tasks/<name>.py, by name: a copied recipe carries the task modules it was copied with."""
-    package = __package__.rsplit(".", 1)[0]  # shared, or recipe_core in a copy
-    module = name.replace("-", "_")
-    try:
-        return importlib.import_module(f"{package}.tasks.{module}")
-    except ModuleNotFoundError as err:
-        if err.name != f"{package}.tasks.{module}":
-            raise
-        raise InputError(f"--task {name}: this copy carries no {package}/tasks/{module}.py. Copy the recipe again "
-                         f"with it: python -m shared.tools.cp {recipe} DEST --task {name}") from None
 
 
 def given_splits(train: object, val: object | None) -> list[tuple[str, object]]:

@@ -3,20 +3,23 @@
 - the data: the text column, packing (--packing concat | per_document | none, shared/tasks/packing.py), in `build`;
 - the model: a hub id or local directory, or a preset, in `build`;
 - the loss: next-token cross-entropy summed over the target tokens (shared/core/losses.py), or your own;
-- the metrics: the token-weighted loss and perplexity over the validation set (shared/core/tasks.py evaluate).
+- the metrics: the token-weighted loss and perplexity over the validation set (CausalLMTask.evaluate).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 
 import torch
+import torch.nn.functional as F
 
 from ..core import data, datacheck, datastats, models
 from ..core.errors import InputError
 from ..core.tasks import NO_EXAMPLES, Task, dataloaders, given_splits, limit, preset_vocab, to_dataset, tokenizer_for
-from . import packing
+from . import decoder_presets, packing  # noqa: F401  (decoder_presets: copied with the task, loaded by name)
+from .packing import add_args  # noqa: F401  (--packing: shared/core/args.py adds the chosen task's flags)
 
 logger = logging.getLogger("recipes")
 
@@ -63,6 +66,33 @@ def model_inputs(packing_mode: str, model) -> callable:
             batch = packing.per_document_inputs(batch, model.config._attn_implementation, model.config)
         return batch
     return inputs
+
+
+class CausalLMTask(Task):
+    """A causal LM's evaluation: the token-weighted next-token loss and its perplexity (or the mean of loss_fn)."""
+
+    @torch.no_grad()
+    def evaluate(self, model, eval_dataloader, accelerator) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        sums, counts = [], []
+        for batch in eval_dataloader:
+            labels = batch["labels"]
+            logits = model(**self._inputs(batch)).logits.float()
+            if self.loss_fn is not None:  # the user's loss, divided as in training: by count_fn (or count_items)
+                value, count = self.loss_fn(logits, labels, self.kept(batch)).reshape(1), self.count_items(batch)
+                # per batch, not per sample: gather, so the samples that even out the last batch count too
+                value, count = accelerator.gather((value, count.reshape(1).to(value.device)))
+            else:
+                logits, labels = logits[:, :-1], labels[:, 1:]
+                per_token = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
+                # gather_for_metrics drops the samples duplicated to even out the last batch across processes
+                value, count = accelerator.gather_for_metrics((per_token.sum(dim=1), (labels != -100).sum(dim=1)))
+            sums.append(value.sum().item())
+            counts.append(count.sum().item())
+        model.train(was_training)
+        mean = sum(sums) / max(1, sum(counts))
+        return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50.0))}
 
 
 class CausalCollator:
@@ -127,10 +157,10 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     model = models.build_model(args, config)
     collate = packing.BlockCollator() if packed else CausalCollator(tokenizer)
     train_dl, eval_dl = dataloaders(args, accelerator, train_ds, val_ds, collate, batches)
-    return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, tokenizer,
-                packing=args.packing, stats=stats, keep_columns=keep, loss_fn=loss_fn, columns={"text": text_col},
-                skipped=skipped + _dropped_tokens(args, stats),
-                inputs_fn=model_inputs(args.packing, model))
+    return CausalLMTask(args.task, model, models.model_source(args), train_dl, eval_dl, source, tokenizer,
+                        packing=args.packing, stats=stats, keep_columns=keep, loss_fn=loss_fn,
+                        columns={"text": text_col}, skipped=skipped + _dropped_tokens(args, stats),
+                        inputs_fn=model_inputs(args.packing, model))
 
 
 

@@ -29,6 +29,27 @@ loss_fn = None
 compute_metrics = None
 
 
+class ImageTask(Task):
+    """Images: the image processor a pipeline needs beside the weights, and patches (+ [CLS]) as the tokens."""
+
+    processor: object | None = None
+
+    def tokens_in(self, batch: dict) -> int:
+        cfg = self.model.config
+        return batch["pixel_values"].shape[0] * ((cfg.image_size // cfg.patch_size) ** 2 + 1)
+
+    def save_preprocessing(self, output_dir: str) -> None:
+        if self.processor is not None:
+            self.processor.save_pretrained(output_dir)
+
+
+def add_args(g) -> None:
+    """The image task's flags (shared/core/args.py adds the chosen task's)."""
+    g.add_argument("--train_dir", default=None, help="Image folder: one subfolder per class.")
+    g.add_argument("--validation_dir", default=None)
+    g.add_argument("--image_column", default=None)
+
+
 def builtin_data(n: int, seed: int) -> dict[str, list]:
     """The built-in data (data.builtin_split): striped 32x32 images, resized to the model's size on the fly."""
     return images.pattern_images(n, seed, image_size=32)
@@ -80,11 +101,12 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     val_ds = images.ImageDataset(list(val_raw[image_col]), [to_id(v) for v in val_labels], size, mean, std)
     model = models.build_model(args, config)
     train_dl, eval_dl = dataloaders(args, accelerator, train_ds, val_ds, None, batches)
-    return Task(args.task, model, models.model_source(args), train_dl, eval_dl, source, processor=processor,
-                stats={"train_examples": len(train_ds)}, loss_fn=loss_fn,
-                columns=({"folders": f"{args.train_dir}/<class>/", "classes": ", ".join(folder_names)} if folder_names
-                         else {"image": image_col, "label": label_col}),
-                compute_metrics=compute_metrics)
+    task = ImageTask(args.task, model, models.model_source(args), train_dl, eval_dl, source,
+                     stats={"train_examples": len(train_ds)}, loss_fn=loss_fn, compute_metrics=compute_metrics,
+                     columns=({"folders": f"{args.train_dir}/<class>/", "classes": ", ".join(folder_names)}
+                              if folder_names else {"image": image_col, "label": label_col}))
+    task.processor = processor
+    return task
 
 
 

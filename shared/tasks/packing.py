@@ -12,7 +12,24 @@ import torch
 
 from ..core.errors import InputError
 
+PACKING = ("concat", "per_document", "none")
 MAP_BATCH = 1000  # documents per datasets.map call; each call drops (train) or pads (eval) its own last block
+
+
+def add_args(g) -> None:
+    """--packing, causal-lm's and sft's (shared/core/args.py adds the chosen task's flags): added once."""
+    if "--packing" in g._option_string_actions:  # (a group shares its parser's)
+        return
+    g.add_argument("--packing", default="concat", choices=PACKING,
+                   help="causal-lm: how documents (rows, or lines of a .txt) become samples (sft: per_document by "
+                        "default, whole conversations; or none). concat: tokenized, "
+                        "joined with EOS between documents and cut into blocks of --max_seq_length, the last partial "
+                        "block of each 1000 documents dropped (as Transformers' run_clm): no padding, nearly every "
+                        "token trained. per_document: the same "
+                        "blocks, but no token attends to or predicts across a document boundary (a block-diagonal "
+                        "causal mask and position_ids restarting at each document). none: one document per sample, "
+                        "padded, and cut at --max_seq_length (what does not fit is lost; the run warns). Packed, "
+                        "--max_train_samples and --max_eval_samples count blocks.")
 
 
 def tokenize_documents(tokenizer, texts: list[str]) -> list[list[int]]:

@@ -23,14 +23,42 @@ from pathlib import Path
 import torch
 
 from ..core import data, datacheck, datastats, models
+from ..core.args import number
 from ..core.errors import InputError
 from ..core.tasks import Task, dataloaders, preset_vocab, tokenizer_for
-from . import chat
-from .causal_lm import model_inputs
+from . import chat, packing
+from .causal_lm import CausalLMTask, model_inputs
 from .packing import BlockCollator
 
 logger = logging.getLogger("recipes")
 MAX_NEW_TOKENS = 64  # --generate: the longest answer written
+
+FLAGS = ("chat_template", "messages_column", "prompt_column", "completion_column", "train_on_prompt", "generate")
+
+
+def add_args(g) -> None:
+    """sft's flags (shared/core/args.py adds the chosen task's), --packing among them."""
+    packing.add_args(g)
+    g.add_argument("--messages_column", default=None, help="sft: the column of conversations (a list of {role, "
+                   "content}); guessed: messages, conversations.")
+    g.add_argument("--prompt_column", default=None, help="sft: the prompt column, or several joined by a blank line "
+                   "(Alpaca: instruction,input); guessed: prompt.")
+    g.add_argument("--completion_column", default=None, help="sft: the answer column (Alpaca: output); guessed: "
+                   "completion.")
+    g.add_argument("--chat_template", default=None, help="sft: a Jinja chat template file, used instead of the "
+                   "tokenizer's own (a tokenizer without one gets a plain built-in template).")
+    g.add_argument("--train_on_prompt", action="store_true", help="sft: every token is a target, the prompts too "
+                   "(default: the assistant turns or the completion only).")
+    g.add_argument("--generate", type=number(int, low=0), default=0, help="sft: after training, greedy answers to "
+                   "the first N validation prompts, written to samples.jsonl beside results.json.")
+
+
+def check_args(args, error) -> None:
+    """sft's flags given to another task would do nothing: refused as argparse refuses (`error`)."""
+    if args.task != "sft" and (given := [f"--{f}" for f in FLAGS if f in args.explicit_flags]):
+        error(f"{', '.join(given)} {'serve' if len(given) > 1 else 'serves'} --task sft (chat and instruction "
+              f"data), not --task {args.task}. Pass --task sft, or drop them.")
+
 
 # Your own loss: as in causal_lm.py (summed over the target tokens, divided by the global batch's by the loop).
 loss_fn = None
@@ -69,7 +97,7 @@ class SFTCollator:
                 "labels": pad("labels", -100)}
 
 
-class SFTTask(Task):
+class SFTTask(CausalLMTask):
     """A causal-LM task whose evaluation may also write greedy answers (--generate N)."""
 
     generate: int = 0
