@@ -28,7 +28,7 @@ from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.rules import SHARDINGS, Support, sharding_of
 from shared.core.tasks import load_task
-from shared.techniques import fsdp_launch
+from shared.techniques import deepspeed_setup, fsdp_launch
 from shared.techniques.chunked_loss import ChunkedLoss
 from shared.techniques.deepspeed_setup import (
     add_deepspeed_args,
@@ -40,6 +40,7 @@ RECIPE = "chunked_loss"
 # What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
 # The head module's own hooks gather it (tests/test_chunked_loss.py).
 SUPPORT = Support(fsdp=fsdp_launch.STEPS,  # an FSDP launch: its settings checked, FSDP2 on CPU
+                  deepspeed=deepspeed_setup.STEPS,  # a DeepSpeed launch: its agreed settings
                   shardings=SHARDINGS)
 
 

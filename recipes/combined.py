@@ -34,7 +34,7 @@ from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.rules import SHARDINGS, Support, offload_of, sharding_of
 from shared.core.tasks import load_task
-from shared.techniques import fsdp_launch
+from shared.techniques import deepspeed_setup, fsdp_launch
 from shared.techniques.activation_offload import ActivationOffloader
 from shared.techniques.chunked_loss import ChunkedLoss
 from shared.techniques.deepspeed_setup import (
@@ -63,6 +63,7 @@ from shared.techniques.selective_checkpointing import checkpoint_kwargs
 RECIPE = "combined"
 # What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
 SUPPORT = Support(fsdp=fsdp_launch.STEPS,  # an FSDP launch: its settings checked, FSDP2 on CPU
+                  deepspeed=deepspeed_setup.STEPS,  # a DeepSpeed launch: its agreed settings
                   shardings=SHARDINGS)
 
 

@@ -35,7 +35,7 @@ from shared.core.preflight import stop_if_preflight
 from shared.core.results import finish
 from shared.core.rules import SHARDINGS, Support
 from shared.core.tasks import load_task
-from shared.techniques import fsdp_launch
+from shared.techniques import deepspeed_setup, fsdp_launch
 from shared.techniques.deepspeed_setup import gathered_parameters
 from shared.techniques.quant import (
     COMPUTE_DTYPES,
@@ -51,6 +51,7 @@ from shared.techniques.quant import (
 RECIPE = "qlora"
 # What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
 SUPPORT = Support(fsdp=fsdp_launch.STEPS,  # an FSDP launch: its settings checked, FSDP2 on CPU
+                  deepspeed=deepspeed_setup.STEPS,  # a DeepSpeed launch: its agreed settings
                   shardings=SHARDINGS)
 
 

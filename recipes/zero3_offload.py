@@ -28,6 +28,7 @@ from shared.core.results import finish
 from shared.core.rules import Support
 from shared.core.tasks import load_task
 from shared.techniques.deepspeed_setup import (
+    STEPS,
     add_deepspeed_args,
     deepspeed_summary,
     json_optimizer_and_scheduler,
@@ -40,7 +41,7 @@ from shared.techniques.deepspeed_setup import (
 
 RECIPE = "zero3_offload"
 # What it runs under; any other launch is refused before anything loads (shared/core/rules.py).
-SUPPORT = Support(shardings=("zero1", "zero2", "zero3"), accumulates=True, needs_offload=True,
+SUPPORT = Support(deepspeed=STEPS, shardings=("zero1", "zero2", "zero3"), accumulates=True, needs_offload=True,
                   instead="accelerate_configs/zero3_offload.yaml, zero2_offload.yaml or zero3_nvme.yaml",
                   no_compile="under DeepSpeed, Accelerate compiles the engine's module in place (engine.compile), "
                             "which has not been run on this stack")

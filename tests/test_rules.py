@@ -66,6 +66,8 @@ BAD_INPUTS = {
         "a JSON setting that would leave the final model unsaved",
     ("shared/techniques/deepspeed_setup.py", "_check_async_io", "NVMe offload needs DeepSpeed's async_io"):
         "a library missing from this machine",
+    ("shared/techniques/deepspeed_setup.py", "check_installed", "This run uses DeepSpeed"): "a library missing from "
+                                                                                         "this machine",
     ("shared/techniques/pipeline_stages.py", "stage_loss", "--generate: "): "sft's greedy answers asked of pipeline "
                                                                           "stages, none of which holds the model",
     ("shared/techniques/pipeline_stages.py", "split_layers", "--layers_per_stage "): "a --layers_per_stage that does "
@@ -178,6 +180,7 @@ _ASKS = [
     {"shard_vocab": True, "task": "image-classification"}, {"chunked_loss": True, "task": "text-classification"},
     {"model_given": False}, {"preset": "tiny-llama", "task": "image-classification"},
     {"preset": "tiny-qwen3-moe", "task": "image-classification"}, {"lone_launch": True}, {"weights": "bf16"},
+    {"weights": "bf16", "precision": "bf16"},
     {"preset": "tiny-moe", "packing": "per_document"},
     {"attention": "flash_attention_2", "on_accelerator": False}, {"async_checkpoint": True},
     {"dp_replicate_size": 3}, {"dp_replicate_size": 4}, {"parallelism_config": "tp=2"},  # HSDP; Accelerate's TP
@@ -239,6 +242,36 @@ def test_fsdp_code_comes_with_the_recipes_that_run_fsdp(tmp_path):
             mp.setenv(k, v)
         with pytest.raises(RecipeError, match=r"Support\(\.\.\., fsdp=fsdp_launch\.STEPS\)"):
             resolve_launch(args, "my_fsdp", rules.Support(shardings=("fsdp",), min_processes=2))
+
+
+def test_deepspeed_code_comes_with_the_recipes_that_run_deepspeed(tmp_path):
+    """As FSDP's: the recipes whose SUPPORT runs ZeRO hand the spine deepspeed_setup's steps (and its rules come with
+    the import); a baseline copy has no DeepSpeed code, and its DeepSpeed launch is refused by the table naming the
+    recipes that run it; a recipe that runs ZeRO without the steps is refused before anything loads."""
+    from shared.core.args import parse_args
+    from shared.core.launch import resolve_launch
+    from shared.techniques import deepspeed_setup
+
+    catalogue = recipes_support()
+    assert {n for n, s in catalogue.items() if s.deepspeed is deepspeed_setup.STEPS} == {
+        n for n, s in catalogue.items() if set(s.shardings) & {"zero1", "zero2", "zero3"}} == {
+        "zero", "zero3_offload", "combined", "chunked_loss", "qlora"}
+    assert "deepspeed" not in (ROOT / "recipes" / "baseline.py").read_text()
+    assert all(rule in RULES for rule in deepspeed_setup.RULES)
+    args = parse_args(["--output_dir", str(tmp_path / "out")])
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+                     "ACCELERATE_CONFIG_DS_FIELDS": "zero_stage"}.items():
+            mp.setenv(k, v)
+        with pytest.raises(RecipeError, match=r"recipes/baseline.py does not implement DeepSpeed ZeRO-3.*Fix: Use "
+                                              r"recipes/zero.py"):
+            resolve_launch(args, "baseline", catalogue["baseline"])
+        with pytest.raises(RecipeError, match=r"Support\(\.\.\., deepspeed=deepspeed_setup\.STEPS\)"):
+            resolve_launch(args, "my_zero", rules.Support(shardings=("zero3",)))
+    args = parse_args(["--output_dir", str(tmp_path / "out")], deepspeed_setup.add_deepspeed_args)
+    config = deepspeed_setup.resolve_deepspeed_config(args, deepspeed_setup.zero_config(2))
+    with pytest.raises(RecipeError, match=r"Support\(\.\.\., deepspeed=deepspeed_setup\.STEPS\)"):
+        resolve_launch(args, "my_zero", rules.Support(shardings=("zero2",)), deepspeed_config=config)
 
 
 def test_every_rule_fires_somewhere_and_names_a_fix():

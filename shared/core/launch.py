@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, TorchDynamoPlugin, set_seed
+from accelerate.utils import InitProcessGroupKwargs, TorchDynamoPlugin, set_seed
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import quiet, rules, rundir
@@ -26,9 +26,6 @@ from .boundary import debugging
 from .errors import CheckpointError, LaunchError, RecipeError, RunFinished
 
 logger = logging.getLogger("recipes")
-# The key of a resolved DeepSpeed config under which deepspeed_setup records where each agreed setting came from
-SETTINGS_SOURCES = "recipe_settings_sources"
-
 
 
 def entrypoint(main: Callable[..., dict | None]) -> Callable[..., dict | None]:
@@ -200,8 +197,8 @@ def resolve_launch(
     loop of one's own. `args` is left as typed: the resolved values are the returned Launch's. `deepspeed_config` /
     `fsdp_plugin`: the sharding the recipe itself sets up (a DeepSpeed config from
     deepspeed_setup.resolve_deepspeed_config, whose agreed precision, batch, accumulation and clipping the run then
-    uses). `asks`: the recipe's techniques as `rules.Run` fields, with `flags` saying how the recipe spells them, so a
-    refusal names the user's own flags.
+    uses: its SUPPORT's deepspeed steps read them). `asks`: the recipe's techniques as `rules.Run` fields, with
+    `flags` saying how the recipe spells them, so a refusal names the user's own flags.
     """
     quiet.silence_known_noise()  # before DeepSpeed, torchao and bitsandbytes are first imported
     check_leftover_accelerate(args)  # before the rule table, which would blame a launch config there is none of
@@ -215,19 +212,11 @@ def resolve_launch(
     clipping = args.max_grad_norm
     launched, offload, world = rules.launched_sharding(os.environ)
     sharding = launched
-    if deepspeed_config is not None:
-        sharding, offload = rules.deepspeed_sharding(deepspeed_config)
-        # The values every source agreed on (deepspeed_setup.resolve_deepspeed_config): the loop runs DeepSpeed's.
-        mixed_precision = "fp16" if deepspeed_config["fp16"]["enabled"] else (
-            "bf16" if deepspeed_config["bf16"]["enabled"] else "no")
-        batch = int(deepspeed_config.get("train_micro_batch_size_per_gpu", batch))
-        accumulation = int(deepspeed_config.get("gradient_accumulation_steps", accumulation))
-        clipping = float(deepspeed_config.get("gradient_clipping", clipping))
-        stated_lr = (deepspeed_config.get("optimizer") or {}).get("params", {}).get("lr", "auto")
-        learning_rate = learning_rate if stated_lr == "auto" else float(stated_lr)  # the JSON's optimizer runs
-        # where the agreed precision came from, for the rule table's messages
-        if source := deepspeed_config.get(SETTINGS_SOURCES, {}).get("mixed_precision"):
-            asks["flags"] = {**asks.get("flags", {}), "precision": source}
+    if deepspeed_config is not None:  # the values every source agreed on: the loop runs DeepSpeed's
+        sharding, offload, mixed_precision, batch, accumulation, clipping, learning_rate, precision_from = (
+            _deepspeed_steps(support, recipe).agreed(deepspeed_config, batch, accumulation, clipping, learning_rate))
+        if precision_from:  # for the rule table's messages
+            asks["flags"] = {**asks.get("flags", {}), "precision": precision_from}
     elif fsdp_plugin is not None:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -248,8 +237,12 @@ def resolve_launch(
                           "Support(..., fsdp=fsdp_launch.STEPS) (shared/techniques/fsdp_launch.py).")
     if launched == "fsdp" and fsdp_plugin is None:  # the launch config's FSDP settings, checked; the recipe passes it
         fsdp_plugin = support.fsdp.plugin(args)
-    check_environment(mixed_precision, uses_deepspeed=sharding.startswith("zero"))
-    check_accumulation_variable(accumulation, uses_deepspeed=sharding.startswith("zero"))
+    deepspeed = _deepspeed_steps(support, recipe) if sharding.startswith("zero") else None
+    if deepspeed:
+        deepspeed.check_installed()
+    check_environment(mixed_precision)
+    if not deepspeed:  # under DeepSpeed the variable is the launch config's, resolved with the JSON's
+        check_accumulation_variable(accumulation)
     home = Path(os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
                                                   "huggingface"))  # datasets and Transformers cache what they load
     there = next(p for p in (home, *home.parents) if p.exists())
@@ -274,7 +267,7 @@ def resolve_launch(
     # A process that dies or hangs makes the others fail after this long instead of waiting forever.
     process_group = InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))
     cpu = False
-    if on_cpu and sharding.startswith("zero"):
+    if on_cpu and deepspeed:
         # Without GPUs Accelerate counts one process under DeepSpeed unless the process group is gloo.
         process_group.backend = "gloo"
     elif on_cpu and world > 1:
@@ -294,6 +287,13 @@ def resolve_launch(
                   elastic_restarts=restarts)
 
 
+def _deepspeed_steps(support: rules.Support, recipe: str) -> object:
+    if support.deepspeed is None:  # DeepSpeed is a technique: its code comes with the recipe
+        raise RecipeError(f"recipes/{recipe}.py runs DeepSpeed but its SUPPORT gives no DeepSpeed steps: pass "
+                          "Support(..., deepspeed=deepspeed_setup.STEPS) (shared/techniques/deepspeed_setup.py).")
+    return support.deepspeed
+
+
 def claim_output_dir(launch: Launch) -> None:
     """Right after resolve_launch, whose checks all come first: --overwrite_output_dir removes the old run, which a
     refusal must not have cost. The main process takes the output directory: one run per directory (rundir.claim)."""
@@ -307,11 +307,8 @@ def configure_process(launch: Launch) -> None:
     # Two processes on two cores with torch's default thread count oversubscribe the CPU: a 3 s run took 83 s.
     if not launch.run.on_accelerator and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    if launch.run.sharding.startswith("zero") and "LOCAL_RANK" not in os.environ:
-        # One process without a launcher (plain `accelerate launch` or `python`): DeepSpeed still needs a process
-        # group, and Accelerate only creates one when the launcher's variables are set.
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", RECIPES_OWN_RENDEZVOUS="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
+    if launch.run.sharding.startswith("zero"):
+        launch.run.support.deepspeed.configure_process()  # a lone process's rendezvous variables
 
 
 def start_run(accelerator: Accelerator, launch: Launch) -> None:
@@ -333,11 +330,7 @@ def start_run(accelerator: Accelerator, launch: Launch) -> None:
             f"{rules.sharding_of(accelerator)} (distributed_type={accelerator.distributed_type.value}). Use a "
             "launch config of that kind (accelerate_configs/), with `use_cpu: false` for DeepSpeed."
         )
-    if (
-        accelerator.mixed_precision == "fp16"
-        and accelerator.device.type == "cpu"
-        and accelerator.distributed_type != DistributedType.DEEPSPEED
-    ):
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":  # (under DeepSpeed: refused)
         _enable_cpu_fp16(accelerator)
 
     args = launch.args
@@ -363,7 +356,7 @@ def start_run(accelerator: Accelerator, launch: Launch) -> None:
 
 # Variables only a launcher sets: torchrun (and `accelerate launch` of several processes), `accelerate launch` of one
 # (ACCELERATE_DYNAMO_MODE) or of DeepSpeed (its zero stage beside ACCELERATE_CONFIG_DS_FIELDS, which
-# deepspeed_setup removes), schedulers' own launchers, and our own lone-process DeepSpeed set-up (configure_process).
+# deepspeed_setup removes), schedulers' own launchers, and our own lone-process DeepSpeed set-up (deepspeed_setup).
 # Without one of them, launch variables are leftovers of a shell.
 _LAUNCHER_MARKS = ("TORCHELASTIC_RUN_ID", "ACCELERATE_DYNAMO_MODE", "ACCELERATE_CONFIG_DS_FIELDS",
                    "ACCELERATE_DEEPSPEED_ZERO_STAGE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
@@ -402,13 +395,13 @@ def check_leftover_accelerate(args: argparse.Namespace) -> None:
                           "full (or regional) to ask for it, or `unset ACCELERATE_DYNAMO_BACKEND` to run eager.")
 
 
-def check_accumulation_variable(accumulation: int, uses_deepspeed: bool) -> None:
-    """ACCELERATE_GRADIENT_ACCUMULATION_STEPS, which `accelerate launch` sets for DeepSpeed configs only (there it is
-    the config's, resolved with the JSON's): any other run that finds it was left it by a shell, and Accelerate would
-    divide every loss by it in backward() (Accelerator() reads it when no plugin is passed), or the run would say
-    one accumulation and Accelerate hold another."""
+def check_accumulation_variable(accumulation: int) -> None:
+    """ACCELERATE_GRADIENT_ACCUMULATION_STEPS, which `accelerate launch` sets for DeepSpeed configs only: a run not
+    under DeepSpeed that finds it was left it by a shell, and Accelerate would divide every loss by it in backward()
+    (Accelerator() reads it when no plugin is passed), or the run would say one accumulation and Accelerate hold
+    another."""
     value = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
-    if uses_deepspeed or value in (None, "", str(accumulation)):
+    if value in (None, "", str(accumulation)):
         return
     raise LaunchError(f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={value} is set in the environment (accelerate launch "
                       "sets it for DeepSpeed configs only: a leftover of an export or an earlier launch), and this run "
@@ -430,14 +423,8 @@ def check_leftover_rendezvous(args: argparse.Namespace) -> None:
                           "launch (or torchrun).")
 
 
-def check_environment(mixed_precision: str, uses_deepspeed: bool) -> None:
+def check_environment(mixed_precision: str) -> None:
     """What this machine cannot do, refused at start-up with the fix."""
-    if uses_deepspeed:
-        try:
-            import deepspeed  # noqa: F401
-        except ImportError:
-            raise LaunchError("This run uses DeepSpeed, which is not installed. "
-                              "`pip install -r requirements.txt` (deepspeed==0.19.8).") from None
     if mixed_precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         raise LaunchError(f"--mixed_precision bf16: {torch.cuda.get_device_name()} has no bf16 support. "
                           "Use --mixed_precision fp16 (dynamic loss scaling), or fp32.")

@@ -23,7 +23,6 @@ SHARDINGS = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 OFFLOADS = ("none", "cpu", "nvme")  # where the offloaded state goes (DeepSpeed's device words)
 TORCHAO_OPTIMIZERS = tuple(name for name, library in OPTIMIZERS.items() if library == "torchao")  # --optim
 _CLASSIC = ("none", "ddp")  # one process, or DDP replicas: what a recipe that shows no sharding runs under
-_ZERO = ("zero1", "zero2", "zero3")
 
 
 @dataclass(frozen=True)
@@ -51,6 +50,9 @@ class Support:
     # A recipe that trains under FSDP hands the spine its FSDP steps (shared/techniques/fsdp_launch.py STEPS: the
     # launch config's settings checked, FSDP2 on CPU, one unit per block); the others carry none of that code.
     fsdp: object | None = None
+    # Likewise DeepSpeed's (shared/techniques/deepspeed_setup.py STEPS: a resolved config's agreed settings, the
+    # install check, a lone process's rendezvous), and its rules, which that module registers.
+    deepspeed: object | None = None
 
 
 # The recipes a refusal points to: the ones that compile, and the ones whose checkpoints are DCP shards (each
@@ -240,27 +242,13 @@ RULES: list[Rule] = [
                    "each other",
          lambda r: "drop --packing (per_document: whole conversations packed, each attending to itself) or pass "
                    "--packing none"),
-    Rule(lambda r: r.sharding in ("zero1", "zero2") and r.offload == "nvme",
-         # DeepSpeed 0.19's stage 1/2 optimizer treats any offload device as CPU memory: nothing would reach NVMe.
-         lambda r: f"optimizer offload to nvme under ZeRO stage {r.sharding[-1]}: stages 1 and 2 keep offloaded "
-                   "optimizer state in CPU memory whatever the device says",
-         lambda r: "use ZeRO-3 for NVMe offload (accelerate_configs/zero3_nvme.yaml), or offload to cpu"),
-    # One rule whichever source asked for fp16: the fix names that source (run.flags["precision"]: a DeepSpeed
-    # JSON's fp16 block, through resolve_launch, is changed in the JSON, not by a flag that would then disagree).
-    Rule(lambda r: r.sharding.startswith("zero") and r.precision == "fp16" and not r.on_accelerator,
-         lambda r: f"fp16 ({r.flags.get('precision', '--mixed_precision fp16')}) under DeepSpeed needs a GPU: on "
-                   "CPU DeepSpeed refuses it ('Type fp16 is not supported on your device')",
-         lambda r: ('set "fp16": {"enabled": "auto"} (or false) in the DeepSpeed JSON, then --mixed_precision bf16 '
-                    "or no" if "DeepSpeed JSON" in r.flags.get("precision", "") else
-                    "use --mixed_precision bf16 (or no)")),
-    # DeepSpeed's ZeRO optimizers keep fp32 partitions of 16-bit weights (measured: bf16 weights, fp32 masters and
-    # moments), and Accelerate's FSDP2 mixed precision upcasts the sharded parameters: pure bf16 would not be what ran.
-    Rule(lambda r: r.weights == "bf16" and (r.sharding in _ZERO or r.sharding == "fsdp" and r.precision != "no"),
-         lambda r: f"--weights_dtype bf16 (pure bf16) under {launch_words(r)}"
-                   + (" with mixed precision" if r.sharding == "fsdp" else "") + ": it keeps fp32 master weights of "
-                   "its own, so the weights would not train in bf16",
-         lambda r: "pass --weights_dtype fp32 (fp32 masters, which this sharding keeps anyway)"
-                   + (", or --mixed_precision no for pure bf16 under FSDP2" if r.sharding == "fsdp" else "")),
+    # Accelerate's FSDP2 mixed precision upcasts the sharded parameters: pure bf16 would not be what ran (DeepSpeed's
+    # rule: shared/techniques/deepspeed_setup.py).
+    Rule(lambda r: r.weights == "bf16" and r.sharding == "fsdp" and r.precision != "no",
+         lambda r: f"--weights_dtype bf16 (pure bf16) under {launch_words(r)} with mixed precision: it keeps fp32 "
+                   "master weights of its own, so the weights would not train in bf16",
+         lambda r: "pass --weights_dtype fp32 (fp32 masters, which this sharding keeps anyway), or --mixed_precision "
+                   "no for pure bf16 under FSDP2"),
     Rule(lambda r: bool(r.support.no_fp16) and r.precision == "fp16",
          lambda r: f"fp16 with recipes/{r.recipe}.py: {r.support.no_fp16}",
          lambda r: "use --mixed_precision bf16 or no"),
@@ -353,25 +341,22 @@ def launched_parallelism(env: Mapping[str, str] = os.environ) -> str:
     return " ".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "all sizes 1"
 
 
+def offload_word(devices: set[str]) -> str:
+    """none | cpu | nvme: the furthest place the devices (DeepSpeed's words, per offloaded part) send state to."""
+    return "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
+
+
 def launched_sharding(env: Mapping[str, str] = os.environ) -> tuple[str, str, int]:
     """(sharding, offload, processes) the launch config asked for, from the variables `accelerate launch` sets."""
     world = int(env.get("WORLD_SIZE", "1"))
     if _env_true(env, "ACCELERATE_USE_DEEPSPEED"):
         devices = {env.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{p}_DEVICE", "none").lower() for p in ("OPTIMIZER", "PARAM")}
-        offload = "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
-        return f"zero{env.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}", offload, world
+        return f"zero{env.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}", offload_word(devices), world
     if _env_true(env, "ACCELERATE_USE_FSDP"):
         return "fsdp", "cpu" if _env_true(env, "FSDP_OFFLOAD_PARAMS") else "none", world
     if _env_true(env, "ACCELERATE_USE_MEGATRON_LM"):
         return "megatron", "none", world
     return ("ddp" if world > 1 else "none"), "none", world
-
-
-def deepspeed_sharding(ds_config: dict) -> tuple[str, str]:
-    """(sharding, offload) of a resolved DeepSpeed config."""
-    zero = ds_config.get("zero_optimization", {})
-    devices = {(zero.get(p) or {}).get("device", "none") for p in ("offload_optimizer", "offload_param")}
-    return f"zero{zero.get('stage', 0)}", "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
 
 
 def sharding_of(accelerator) -> str:
@@ -392,7 +377,8 @@ def offload_of(accelerator) -> str:
 
     kind = accelerator.distributed_type
     if kind == DistributedType.DEEPSPEED:
-        return deepspeed_sharding(accelerator.state.deepspeed_plugin.deepspeed_config)[1]
+        zero = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+        return offload_word({(zero.get(p) or {}).get("device", "none") for p in ("offload_optimizer", "offload_param")})
     if kind == DistributedType.FSDP:
         from torch.distributed.fsdp import CPUOffloadPolicy
 

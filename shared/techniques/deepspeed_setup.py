@@ -6,6 +6,11 @@ disagree silently: Accelerate warns and takes DeepSpeed's accumulation steps, fi
 whatever --max_grad_norm says, and drops the YAML's NVMe paths. Here every value the user set explicitly must agree;
 the agreed value (or the recipe's default) is written into the config AND back into args, so the Accelerator,
 the training loop and DeepSpeed all run on the same numbers.
+
+A recipe that trains under DeepSpeed hands the spine its steps in its SUPPORT (`Support(..., deepspeed=STEPS)`: the
+agreed settings, the install check, a lone process's rendezvous), and importing this module adds DeepSpeed's rules
+to the rule table; a recipe that never runs DeepSpeed carries none of it, and the rule table refuses its DeepSpeed
+launch.
 """
 
 from __future__ import annotations
@@ -18,16 +23,21 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..core import rules
 from ..core.boundary import loading
 from ..core.errors import LaunchError
-from ..core.launch import SETTINGS_SOURCES as SOURCES
+from ..core.launch import free_port
 from ..core.measure import state_bytes
+from ..core.rules import Rule, launch_words
 
 logger = logging.getLogger("recipes")
+SOURCES = "recipe_settings_sources"  # the key under which a resolved config records where each agreed value came from
 
 _YAML = "the accelerate config (--config_file)"
 
@@ -480,3 +490,78 @@ def gathered_parameters(model: torch.nn.Module) -> contextlib.AbstractContextMan
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
+def deepspeed_sharding(ds_config: dict) -> tuple[str, str]:
+    """(sharding, offload) of a resolved DeepSpeed config."""
+    zero = ds_config.get("zero_optimization", {})
+    devices = {(zero.get(p) or {}).get("device", "none") for p in ("offload_optimizer", "offload_param")}
+    return f"zero{zero.get('stage', 0)}", rules.offload_word(devices)
+
+
+def agreed(ds_config: dict, batch: int, accumulation: int, clipping: float, learning_rate: float
+           ) -> tuple[str, str, str, int, int, float, float, str | None]:
+    """What resolve_launch runs with under a resolved config (resolve_deepspeed_config): its sharding and offload, the
+    precision, micro-batch, accumulation, clipping and learning rate every source agreed on (the values given where
+    the config leaves one out), and where the precision came from, for the rule table's messages."""
+    precision = "fp16" if ds_config["fp16"]["enabled"] else "bf16" if ds_config["bf16"]["enabled"] else "no"
+    stated_lr = (ds_config.get("optimizer") or {}).get("params", {}).get("lr", "auto")
+    return (*deepspeed_sharding(ds_config), precision,
+            int(ds_config.get("train_micro_batch_size_per_gpu", batch)),
+            int(ds_config.get("gradient_accumulation_steps", accumulation)),
+            float(ds_config.get("gradient_clipping", clipping)),
+            learning_rate if stated_lr == "auto" else float(stated_lr),  # the JSON's optimizer runs
+            ds_config.get(SOURCES, {}).get("mixed_precision"))
+
+
+def check_installed() -> None:
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise LaunchError("This run uses DeepSpeed, which is not installed. "
+                          "`pip install -r requirements.txt` (deepspeed==0.19.8).") from None
+
+
+def configure_process() -> None:
+    """One process without a launcher (plain `accelerate launch` or `python`): DeepSpeed still needs a process group,
+    and Accelerate only creates one when the launcher's variables are set."""
+    if "LOCAL_RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", RECIPES_OWN_RENDEZVOUS="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
+
+
+@dataclass(frozen=True)
+class Steps:
+    """What the spine runs for a DeepSpeed launch: resolve_launch reads the agreed settings of the recipe's resolved
+    config and checks that DeepSpeed is installed, configure_process gives a lone process its rendezvous."""
+
+    agreed: Callable[[dict, int, int, float, float], tuple[str, str, str, int, int, float, float, str | None]]
+    check_installed: Callable[[], None]
+    configure_process: Callable[[], None]
+
+
+STEPS = Steps(agreed=agreed, check_installed=check_installed, configure_process=configure_process)
+
+_ZERO = ("zero1", "zero2", "zero3")
+RULES = (
+    Rule(lambda r: r.sharding in ("zero1", "zero2") and r.offload == "nvme",
+         # DeepSpeed 0.19's stage 1/2 optimizer treats any offload device as CPU memory: nothing would reach NVMe.
+         lambda r: f"optimizer offload to nvme under ZeRO stage {r.sharding[-1]}: stages 1 and 2 keep offloaded "
+                   "optimizer state in CPU memory whatever the device says",
+         lambda r: "use ZeRO-3 for NVMe offload (accelerate_configs/zero3_nvme.yaml), or offload to cpu"),
+    # One rule whichever source asked for fp16: the fix names that source (run.flags["precision"]: a DeepSpeed
+    # JSON's fp16 block, through resolve_launch, is changed in the JSON, not by a flag that would then disagree).
+    Rule(lambda r: r.sharding.startswith("zero") and r.precision == "fp16" and not r.on_accelerator,
+         lambda r: f"fp16 ({r.flags.get('precision', '--mixed_precision fp16')}) under DeepSpeed needs a GPU: on "
+                   "CPU DeepSpeed refuses it ('Type fp16 is not supported on your device')",
+         lambda r: ('set "fp16": {"enabled": "auto"} (or false) in the DeepSpeed JSON, then --mixed_precision bf16 '
+                    "or no" if "DeepSpeed JSON" in r.flags.get("precision", "") else
+                    "use --mixed_precision bf16 (or no)")),
+    # DeepSpeed's ZeRO optimizers keep fp32 partitions of 16-bit weights (measured: bf16 weights, fp32 masters and
+    # moments): pure bf16 would not be what ran.
+    Rule(lambda r: r.weights == "bf16" and r.sharding in _ZERO,
+         lambda r: f"--weights_dtype bf16 (pure bf16) under {launch_words(r)}: it keeps fp32 master weights of its "
+                   "own, so the weights would not train in bf16",
+         lambda r: "pass --weights_dtype fp32 (fp32 masters, which this sharding keeps anyway)"),
+)
+rules.register(*RULES)

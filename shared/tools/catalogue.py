@@ -15,6 +15,7 @@ from ..techniques import (  # noqa: F401  (imported for their rules)
     activation_offload,
     chunked_loss,
     comm_reduction,
+    deepspeed_setup,
     expert_parallel,
     fp8,
     hsdp,
