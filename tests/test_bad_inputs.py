@@ -892,6 +892,14 @@ CASES = [
                                       "Use the config.json saved with these weights"],
          setup=lambda t: ["--model_name_or_path", _edited_config(_classifier_dir(t, labels=2), hidden_size=None),
                           "--train_file", _table(t)]),
+    # betas and eps "auto" are filled (the recipe's AdamW): the first "auto" nothing fills is the scheduler's
+    Case("deepspeed-json-auto-unfilled", "a DeepSpeed JSON with \"auto\" where nothing fills it (betas, eps, a "
+         "cosine schedule's ratios: a raw ValueError from prepare())", [],
+         ['scheduler.params.warmup_min_ratio is "auto"', "Set it to a value in the JSON"], recipe="zero",
+         setup=lambda t: ["--deepspeed_config", _ds_json(t, optimizer={"type": "AdamW", "params": {
+             "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}, scheduler={
+             "type": "WarmupCosineLR", "params": {"warmup_min_ratio": "auto", "warmup_num_steps": "auto",
+                                                  "total_num_steps": "auto"}})]),
     Case("overwrite-and-resume", "--overwrite_output_dir with --resume_from_checkpoint latest (the resume won, the "
          "overwrite was dropped unsaid)", ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
          ["they ask for opposite things", "Drop --overwrite_output_dir to train that run on"]),

@@ -58,7 +58,10 @@ def preset_config(task: str, preset: str, vocab_size: int = 30522, num_labels: i
         return BertConfig(num_labels=num_labels, **dims, **token_ids)
     if task in ("causal-lm", "sft"):
         dims = dict(n_embd=64, n_layer=2, n_head=2, n_positions=128, vocab_size=vocab_size) if preset == "tiny" else {}
-        return GPT2Config(**dims, **token_ids)
+        # GPT-2's default bos/eos (50256) lie outside the tiny vocabulary: transformers warned on every causal-lm run
+        # (the config is read before the tokenizer's ids are known)
+        ids = {"bos_token_id": None, "eos_token_id": None} if preset == "tiny" else {}
+        return GPT2Config(**dims, **{**ids, **token_ids})
     dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                 image_size=32, patch_size=8) if preset == "tiny" else {}
     return ViTConfig(num_labels=num_labels, **dims)

@@ -252,6 +252,7 @@ def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> d
             _set(config, key, _FLAG_TYPES.get(SETTINGS[key][0], lambda v: v)(value))
     _check_global_batch(config, chosen, json_file)
     _refuse_what_the_loop_cannot_run(config, chosen, json_file)
+    _fill_block_autos(config, json_file)
 
     zero = config.setdefault("zero_optimization", {})
     stage = int(zero.get("stage", 0))
@@ -338,6 +339,28 @@ def _refuse_what_the_loop_cannot_run(config: dict, chosen: dict, json_file: str 
     if (config.get("optimizer") or {}).get("type", "").lower() in ("onebitadam", "zerooneadam", "onebitlamb"):
         raise LaunchError(f"optimizer {config['optimizer']['type']} in {where}: DeepSpeed's 1-bit optimizers need "
                           "NCCL or MPI compression backends these recipes do not set up. Use AdamW.")
+
+
+# The "auto" values of the JSON's optimizer and scheduler blocks that Accelerate fills at prepare() (accelerator.py,
+# _prepare_deepspeed); any other "auto" there made prepare() raise "`optimizer.params.betas` not found in kwargs".
+FILLED_AT_PREPARE = {"optimizer": ("lr", "weight_decay"),
+                     "scheduler": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")}
+ADAMW_CONSTANTS = {"betas": [0.9, 0.999], "eps": 1e-8}  # torch's AdamW defaults: the recipe's AdamW (core/optim.py)
+
+
+def _fill_block_autos(config: dict, json_file: str | None) -> None:
+    """AdamW's betas and eps left "auto" take the recipe's AdamW values (as Transformers' Trainer fills them from its
+    own); any other "auto" no one fills is refused by name before anything loads."""
+    params = (config.get("optimizer") or {}).get("params") or {}
+    for key, value in ADAMW_CONSTANTS.items():
+        if params.get(key) == "auto":
+            params[key] = value
+    for block, filled in FILLED_AT_PREPARE.items():
+        if left := [k for k, v in ((config.get(block) or {}).get("params") or {}).items()
+                    if v == "auto" and k not in filled]:
+            raise LaunchError(f'{block}.params.{left[0]} is "auto" in the DeepSpeed JSON {json_file or ""}, and '
+                              f"nothing fills it (Accelerate fills {block}.params {', '.join(filled)}). Set it to a "
+                              "value in the JSON.")
 
 
 def json_optimizer_and_scheduler(ds_config: dict, launch: object, model: torch.nn.Module, max_steps: int
