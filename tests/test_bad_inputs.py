@@ -900,6 +900,10 @@ CASES = [
              "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}, scheduler={
              "type": "WarmupCosineLR", "params": {"warmup_min_ratio": "auto", "warmup_num_steps": "auto",
                                                   "total_num_steps": "auto"}})]),
+    Case("checkpoint-folder-one-level-up", "--resume_from_checkpoint given a run's output directory (its checkpoints "
+         "inside): 'not a complete checkpoint: the save did not finish'", [],
+         ["is a folder of 1 checkpoint(s), not one checkpoint", "--resume_from_checkpoint latest --output_dir"],
+         setup=lambda t: ["--resume_from_checkpoint", _steps_dir(t / "run")]),
     Case("overwrite-and-resume", "--overwrite_output_dir with --resume_from_checkpoint latest (the resume won, the "
          "overwrite was dropped unsaid)", ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
          ["they ask for opposite things", "Drop --overwrite_output_dir to train that run on"]),
@@ -1031,6 +1035,12 @@ def _ds_json(tmp: Path, **values) -> Path:
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def _steps_dir(run: Path) -> Path:
+    """A run's output directory with one checkpoint folder in it."""
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    return run
 
 
 def _write_dir(path: Path) -> Path:

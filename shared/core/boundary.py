@@ -121,6 +121,11 @@ def _folder_kind(p: Path, what: str) -> tuple[str, str]:
         return ("a training checkpoint (optimizer and data position), not a saved model",
                 f"Pass the finished run's folder {str(run)!r} (its model.safetensors), or continue the run with "
                 f"--resume_from_checkpoint {str(p)!r} --output_dir {str(run)!r}.")
+    steps = sorted((p / "checkpoints" if (p / "checkpoints").is_dir() else p).glob("step_*"))
+    if what == "checkpoint" and steps:  # a run's output directory, or its checkpoints/ folder: one level too high
+        run = steps[-1].parent.parent
+        return (f"a folder of {len(steps)} checkpoint(s), not one checkpoint", f"Pass one of them (the newest: "
+                f"{str(steps[-1])!r}), or --resume_from_checkpoint latest --output_dir {str(run)!r}.")
     if what == "checkpoint" and (p / "config.json").exists() and any((p / w).exists() for w in _WEIGHTS):
         return ("a saved model (a finished run's output), not a checkpoint: it has weights but no optimizer or data "
                 "position", f"To train it further pass --model_name_or_path {str(p)!r}; to resume a run, pass its "

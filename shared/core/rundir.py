@@ -71,7 +71,8 @@ def refuse_inputs(args: argparse.Namespace, output_dir: str, resume: str | None)
     its resume."""
     out = Path(output_dir).expanduser().resolve()
     typed = args.resume_from_checkpoint  # (an elastic restart's own 'latest' is not typed: it follows the first try)
-    if args.overwrite_output_dir and typed and (typed == "latest" or out in Path(typed).expanduser().resolve().parents):
+    if args.overwrite_output_dir and typed and (typed == "latest" or
+                                                out / "checkpoints" in Path(typed).expanduser().resolve().parents):
         # claim() would keep the run to resume it, and --overwrite_output_dir would be silently dropped
         raise CheckpointError(f"--overwrite_output_dir removes the run in {output_dir!r}, and --resume_from_checkpoint "
                               f"{typed} continues it: they ask for opposite things. Drop --overwrite_output_dir to "
