@@ -96,6 +96,13 @@ class Task:
         self.router_aux_loss = aux.detach()  # the meter reports it (shared/core/meter.py)
         return self.model.config.router_aux_loss_coef * aux * (1.0 if num_items is None else count / num_items)
 
+    def user_loss(self, logits: torch.Tensor, labels: torch.Tensor, batch: dict, accelerator
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One validation batch's loss_fn sum and what it is divided by (count_fn, or count_items), as in training;
+        gathered per batch, not per sample, so the samples that even out the last batch count too."""
+        value, count = self.loss_fn(logits, labels, self.kept(batch)).reshape(1), self.count_items(batch)
+        return accelerator.gather((value, count.reshape(1).to(value.device)))
+
     def _inputs(self, batch: dict) -> dict:
         inputs = {k: v for k, v in batch.items() if k != "labels" and k not in self.keep_columns}
         return self.inputs_fn(inputs) if self.inputs_fn is not None else inputs
@@ -115,10 +122,8 @@ class Task:
         for batch in eval_dataloader:
             labels = batch["labels"]
             logits = model(**self._inputs(batch)).logits.float()
-            if self.loss_fn is not None:  # the user's loss, divided as in training: by count_fn (or count_items)
-                value, count = self.loss_fn(logits, labels, self.kept(batch)).reshape(1), self.count_items(batch)
-                # per batch, not per sample: gather, so the samples that even out the last batch count too
-                value, count = accelerator.gather((value, count.reshape(1).to(value.device)))
+            if self.loss_fn is not None:
+                value, count = self.user_loss(logits, labels, batch, accelerator)
                 sums.append(value.sum().item())
                 counts.append(count.sum().item())
             predicted, labels = accelerator.gather_for_metrics((logits.argmax(-1), labels))

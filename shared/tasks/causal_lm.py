@@ -79,10 +79,8 @@ class CausalLMTask(Task):
         for batch in eval_dataloader:
             labels = batch["labels"]
             logits = model(**self._inputs(batch)).logits.float()
-            if self.loss_fn is not None:  # the user's loss, divided as in training: by count_fn (or count_items)
-                value, count = self.loss_fn(logits, labels, self.kept(batch)).reshape(1), self.count_items(batch)
-                # per batch, not per sample: gather, so the samples that even out the last batch count too
-                value, count = accelerator.gather((value, count.reshape(1).to(value.device)))
+            if self.loss_fn is not None:  # the user's loss, divided as in training
+                value, count = self.user_loss(logits, labels, batch, accelerator)
             else:
                 logits, labels = logits[:, :-1], labels[:, 1:]
                 per_token = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
