@@ -271,3 +271,42 @@ def test_pure_bf16_is_refused_where_the_sharding_keeps_fp32_masters_of_its_own()
         assert "--weights_dtype" not in refused(stage, "bf16", "fp32") + refused(stage, "bf16", "auto")
     assert "--mixed_precision no for pure bf16 under FSDP2" in refused("fsdp", "bf16")
     assert "--weights_dtype" not in refused("fsdp", "no") + refused("ddp", "bf16") + refused("none", "no")
+
+
+def test_image_models_beyond_vit_train_at_their_own_size(tmp_path):
+    """CLIP keeps image_size in its vision_config, and a CNN (ResNet) names none in its config: its processor does.
+    Both crashed with an AttributeError on config.image_size; now each trains at its size, and a CNN without a
+    processor is refused by name."""
+    from PIL import Image
+    from transformers import (
+        CLIPConfig,
+        CLIPForImageClassification,
+        ConvNextImageProcessor,
+        ResNetConfig,
+        ResNetForImageClassification,
+    )
+
+    for label, color in (("a", (200, 30, 30)), ("b", (30, 30, 200))):
+        (tmp_path / "imgs" / label).mkdir(parents=True)
+        for i in range(8):
+            Image.new("RGB", (40, 40), tuple(max(0, c - 9 * i) for c in color)).save(
+                tmp_path / "imgs" / label / f"{i}.png")
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    CLIPForImageClassification(CLIPConfig(text_config=tower, vision_config={**tower, "image_size": 24,
+                                                                           "patch_size": 8})).save_pretrained(
+        tmp_path / "clip")
+    resnet = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")
+    ResNetForImageClassification(resnet).save_pretrained(tmp_path / "resnet")
+    ConvNextImageProcessor(size={"shortest_edge": 20}, crop_pct=1.0).save_pretrained(tmp_path / "resnet")
+    ResNetForImageClassification(resnet).save_pretrained(tmp_path / "bare")
+    run = ["--task", "image-classification", "--train_dir", tmp_path / "imgs", "--per_device_train_batch_size", "4",
+           "--max_train_steps", "2", "--no_save_model"]
+    clip = run_recipe("baseline", tmp_path / "out_clip", "--model_name_or_path", tmp_path / "clip", *run)
+    cnn = run_recipe("baseline", tmp_path / "out_cnn", "--model_name_or_path", tmp_path / "resnet", *run)
+    for out, side in (("out_clip", 24), ("out_cnn", 20)):  # the tensor the model received, as the report says
+        example = json.loads((tmp_path / out / "data_report.json").read_text())["example"]["train"]
+        assert example["pixel_values"] == [3, side, side], (out, example)
+    assert 0 <= clip["eval_accuracy"] <= 1 and 0 <= cnn["eval_accuracy"] <= 1
+    assert cnn["model_flops_per_token"] is None and cnn["train_tokens_per_second"] > 0  # a CNN's throughput: images
+    with pytest.raises(SystemExit, match="names no image size"):
+        run_recipe("baseline", tmp_path / "out_bare", "--model_name_or_path", tmp_path / "bare", *run)

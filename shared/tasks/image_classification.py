@@ -35,8 +35,10 @@ class ImageTask(Task):
     processor: object | None = None
 
     def tokens_in(self, batch: dict) -> int:
-        cfg = self.model.config
-        return batch["pixel_values"].shape[0] * ((cfg.image_size // cfg.patch_size) ** 2 + 1)
+        cfg = vision_config(self.model.config)
+        if not getattr(cfg, "patch_size", None):  # a CNN (ResNet, ConvNeXt) has no tokens: its throughput is images
+            return batch["pixel_values"].shape[0]
+        return batch["pixel_values"].shape[0] * ((batch["pixel_values"].shape[-1] // cfg.patch_size) ** 2 + 1)
 
     def save_preprocessing(self, output_dir: str) -> None:
         if self.processor is not None:
@@ -84,9 +86,10 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
         config = models.preset_config(args.task, args.model_preset, num_labels=len(classes))
         if names:
             config.id2label = dict(enumerate(names))
-    size = config.image_size
-    if getattr(config, "num_channels", 3) != 3:  # every image is converted to RGB: 3 channels reach the model
-        raise InputError(f"{models.model_source(args)!r} takes {config.num_channels}-channel images, and the images "
+    size = image_size(config, processor, models.model_source(args))
+    if getattr(vision_config(config), "num_channels", 3) != 3:  # every image is converted to RGB: 3 reach the model
+        raise InputError(f"{models.model_source(args)!r} takes {vision_config(config).num_channels}-channel images, "
+                         "and the images "
                          "are read as RGB (3 channels). Pass a model of 3 input channels, or change ImageDataset in "
                          "shared/tasks/images.py to read your channels.")
     # Saved beside the weights, so that pipeline("image-classification", model=output_dir) prepares an image as
@@ -108,6 +111,28 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     task.processor = processor
     return task
 
+
+
+def vision_config(config):
+    """The config that describes the images: a vision tower's (CLIP, SigLIP: vision_config), else the model's."""
+    return getattr(config, "vision_config", None) or config
+
+
+def image_size(config, processor, source: str) -> int:
+    """The side images are resized to: the config's (ViT; CLIP's vision tower), else the shipped processor's (a CNN
+    such as ResNet or ConvNeXt names none in its config)."""
+    side = getattr(vision_config(config), "image_size", None)
+    side = side[0] if isinstance(side, list | tuple) else side
+    if not side and processor is not None:
+        shape = getattr(processor, "crop_size", None) or getattr(processor, "size", None) or {}
+        # a dict in older processors, a SizeDict in transformers 5, or a bare int
+        part = (lambda k: shape.get(k)) if isinstance(shape, dict) else (lambda k: getattr(shape, k, None))
+        side = shape if isinstance(shape, int) else part("height") or part("shortest_edge")
+    if not isinstance(side, int) or side < 1:
+        raise InputError(f"{source!r} names no image size: its config has no image_size, and it ships no image "
+                         "processor (preprocessor_config.json) that has one. Save the model's image processor beside "
+                         "it (AutoImageProcessor.from_pretrained(<the model's hub id>).save_pretrained(dir)).")
+    return side
 
 
 def _pretrained_processor(args):
