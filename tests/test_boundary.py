@@ -163,6 +163,20 @@ def test_a_saved_dataset_loads_and_is_named_so(tmp_path):
         run_recipe("baseline", tmp_path / "two", "--dataset_name", tmp_path / "dict", *FAST)
 
 
+def test_a_hub_datasets_class_names_name_the_saved_models_labels(tmp_path):
+    """A ClassLabel column (IMDB's neg/pos, beans' disease names) stores ids; its names become the saved model's
+    id2label, so pipeline() answers 'pos', not 'LABEL_1' (they were dropped before)."""
+    import datasets
+
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["neg", "pos"])})
+    datasets.Dataset.from_dict({"text": [t for t, _ in _ROWS], "label": [y for _, y in _ROWS]},
+                               features=features).save_to_disk(tmp_path / "imdb")
+    run_recipe("baseline", tmp_path / "out", "--dataset_name", tmp_path / "imdb", "--max_train_steps", "2",
+               "--report_to", "none", "--max_eval_samples", "16")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["id2label"] == {"0": "neg", "1": "pos"}
+
+
 def test_a_quoted_tilde_means_home_for_every_path_flag(tmp_path, monkeypatch):
     """'~/run' reached Python unexpanded: the lock went to $HOME/run and the model to ./~/run. Now every path
     flag expands it, and nothing is written to a folder named ~."""

@@ -214,6 +214,12 @@ def _no_rows(path: str, kind: str) -> bool:
 SKIPPED: list[str] = []  # what the last load_raw_splits left out, and why: the data report shows it
 
 
+def class_names(ds: object, column: str) -> list[str] | None:
+    """A datasets ClassLabel column's names (index -> name), for the saved model's id2label; None otherwise."""
+    feature = (getattr(ds, "features", None) or {}).get(column)
+    return list(feature.names) if type(feature).__name__ == "ClassLabel" else None
+
+
 def pick_column(columns: list[str], wanted: str | None, guesses: tuple[str, ...], what: str, flag: str) -> str:
     """The named column, or the first common name present; a clear error naming the columns that exist."""
     if wanted:

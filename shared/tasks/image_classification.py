@@ -75,7 +75,9 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     images.check_images(list(val_raw[image_col]), "validation")
     classes, mapping = datacheck.label_set(train_labels, val_labels, label_col)
     folder_names = train_raw.get("classes") if isinstance(train_raw, dict) else None
-    names = [folder_names[int(c)] for c in classes] if folder_names else (classes if mapping else None)
+    class_label = data.class_names(train_raw, label_col)  # a hub dataset's ClassLabel names (its values are ids)
+    names = [folder_names[int(c)] for c in classes] if folder_names else [class_label[int(c)] for c in classes] if (
+        class_label) else (classes if mapping else None)
     to_id = datacheck.label_index(mapping)
     processor = None
     if args.model_name_or_path:

@@ -74,6 +74,9 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     train_ds, val_ds = to_dataset(train_raw), to_dataset(val_raw)
     labels, mapping = datacheck.label_set(list(train_ds[label_col]), list(val_ds[label_col]), label_col)
     to_id = datacheck.label_index(mapping)
+    # The names a pipeline answers with: the label strings, or a hub dataset's ClassLabel names (its values are ids)
+    names = data.class_names(train_ds, label_col)
+    id2label = {i: names[int(c)] for i, c in enumerate(labels)} if names else dict(enumerate(labels)) if mapping else {}
     texts = list(train_ds[text_col]) + (list(train_ds[pair_col]) if pair_col else [])
     tokenizer = tokenizer_for(args, texts)
     datacheck.check_seq_length(args.max_seq_length, tokenizer.num_special_tokens_to_add(bool(pair_col)), args.task)
@@ -90,7 +93,7 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     from transformers import DataCollatorWithPadding
 
     if args.model_name_or_path:
-        extra = {"id2label": dict(enumerate(labels))} if mapping else {}
+        extra = {"id2label": id2label} if id2label else {}
         config = models.load_pretrained_config(args, num_labels=len(labels), **extra)
         if getattr(config, "pad_token_id", None) is None:
             # Decoder-only classifiers (GPT-2, Llama) score the last token that is not padding and refuse a batch
@@ -99,8 +102,8 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     else:
         config = models.preset_config(args.task, args.model_preset, vocab_size=preset_vocab(tokenizer, args),
                                       num_labels=len(labels), pad_token_id=tokenizer.pad_token_id)
-        if mapping:
-            config.id2label = dict(enumerate(labels))
+        if id2label:
+            config.id2label = id2label
     model = models.build_model(args, config)
     train_dl, eval_dl = dataloaders(args, accelerator, train_ds, val_ds, DataCollatorWithPadding(tokenizer), batches)
     lengths = [len(x) for x in train_ds["input_ids"]]
