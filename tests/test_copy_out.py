@@ -443,8 +443,9 @@ def test_a_copied_baseline_carries_the_spine_alone(tmp_path):
     another case and launcher options given to the recipe, issue 37; then 4,072, before each task's flags, the decoder
     presets and the causal-LM and image halves of Task moved to their task modules, DeepSpeed's launch steps and rules
     to deepspeed_setup.py and checkpoint code only techniques run to them, with +4 for Task.user_loss (the causal
-    LM's evaluation shares it) and +36 for fresh refusals: a quantized or fp16-only checkpoint, a config.json that does
-    not fit its weights, records under a JSON key, overwrite with resume, a run's folder given as a checkpoint).
+    LM's evaluation shares it) and +43 for fresh cases: a quantized or fp16-only checkpoint, a config.json that does
+    not fit its weights, records under a JSON key, overwrite with resume, a run's folder given as a checkpoint, a hub
+    dataset's class names).
     It was 3,600 before each technique's rules moved to its module and the task modules out of the spine, and grew
     with --weights_dtype, the live dtypes in results.json, the router loss and the shipped-shape presets (issue 33);
     the issue's goal is 1,500. Another task is one flag of the copy command away, and a copy without it refuses that
