@@ -121,8 +121,8 @@ def _folder_kind(p: Path, what: str) -> tuple[str, str]:
         return ("a training checkpoint (optimizer and data position), not a saved model",
                 f"Pass the finished run's folder {str(run)!r} (its model.safetensors), or continue the run with "
                 f"--resume_from_checkpoint {str(p)!r} --output_dir {str(run)!r}.")
-    steps = sorted((p / "checkpoints" if (p / "checkpoints").is_dir() else p).glob("step_*"))
-    if what == "checkpoint" and steps:  # a run's output directory, or its checkpoints/ folder: one level too high
+    if what == "checkpoint" and (steps := sorted((p / "checkpoints" if (p / "checkpoints").is_dir() else p)
+                                                 .glob("step_*"))):  # a run's folder, or its checkpoints/: too high
         run = steps[-1].parent.parent
         return (f"a folder of {len(steps)} checkpoint(s), not one checkpoint", f"Pass one of them (the newest: "
                 f"{str(steps[-1])!r}), or --resume_from_checkpoint latest --output_dir {str(run)!r}.")

@@ -214,10 +214,11 @@ def _no_rows(path: str, kind: str) -> bool:
 SKIPPED: list[str] = []  # what the last load_raw_splits left out, and why: the data report shows it
 
 
-def class_names(ds: object, column: str) -> list[str] | None:
-    """A datasets ClassLabel column's names (index -> name), for the saved model's id2label; None otherwise."""
+def class_names(ds: object, column: str, classes: list) -> list[str] | None:
+    """The name of each class (label_set's, in order) where the column is a datasets ClassLabel, whose values are
+    ids: for the saved model's id2label. None otherwise."""
     feature = (getattr(ds, "features", None) or {}).get(column)
-    return list(feature.names) if type(feature).__name__ == "ClassLabel" else None
+    return [feature.names[int(c)] for c in classes] if type(feature).__name__ == "ClassLabel" else None
 
 
 def pick_column(columns: list[str], wanted: str | None, guesses: tuple[str, ...], what: str, flag: str) -> str:

@@ -346,6 +346,11 @@ def offload_word(devices: set[str]) -> str:
     return "nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none"
 
 
+def zero_offload(zero: Mapping) -> str:
+    """offload_word of a DeepSpeed config's zero_optimization block (its optimizer's and parameters' devices)."""
+    return offload_word({(zero.get(p) or {}).get("device", "none") for p in ("offload_optimizer", "offload_param")})
+
+
 def launched_sharding(env: Mapping[str, str] = os.environ) -> tuple[str, str, int]:
     """(sharding, offload, processes) the launch config asked for, from the variables `accelerate launch` sets."""
     world = int(env.get("WORLD_SIZE", "1"))
@@ -377,8 +382,7 @@ def offload_of(accelerator) -> str:
 
     kind = accelerator.distributed_type
     if kind == DistributedType.DEEPSPEED:
-        zero = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
-        return offload_word({(zero.get(p) or {}).get("device", "none") for p in ("offload_optimizer", "offload_param")})
+        return zero_offload(accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}))
     if kind == DistributedType.FSDP:
         from torch.distributed.fsdp import CPUOffloadPolicy
 

@@ -75,9 +75,9 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     images.check_images(list(val_raw[image_col]), "validation")
     classes, mapping = datacheck.label_set(train_labels, val_labels, label_col)
     folder_names = train_raw.get("classes") if isinstance(train_raw, dict) else None
-    class_label = data.class_names(train_raw, label_col)  # a hub dataset's ClassLabel names (its values are ids)
-    names = [folder_names[int(c)] for c in classes] if folder_names else [class_label[int(c)] for c in classes] if (
-        class_label) else (classes if mapping else None)
+    # a folder's class names, a hub dataset's ClassLabel names (its values are ids), or the label strings
+    names = ([folder_names[int(c)] for c in classes] if folder_names
+             else data.class_names(train_raw, label_col, classes) or (classes if mapping else None))
     to_id = datacheck.label_index(mapping)
     processor = None
     if args.model_name_or_path:
@@ -89,10 +89,10 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
         if names:
             config.id2label = dict(enumerate(names))
     size = image_size(config, processor, models.model_source(args))
-    if getattr(vision_config(config), "num_channels", 3) != 3:  # every image is converted to RGB: 3 reach the model
-        raise InputError(f"{models.model_source(args)!r} takes {vision_config(config).num_channels}-channel images, "
-                         "and the images "
-                         "are read as RGB (3 channels). Pass a model of 3 input channels, or change ImageDataset in "
+    channels = getattr(vision_config(config), "num_channels", 3)
+    if channels != 3:  # every image is converted to RGB: 3 channels reach the model
+        raise InputError(f"{models.model_source(args)!r} takes {channels}-channel images, and the images are read as "
+                         "RGB (3 channels). Pass a model of 3 input channels, or change ImageDataset in "
                          "shared/tasks/images.py to read your channels.")
     # Saved beside the weights, so that pipeline("image-classification", model=output_dir) prepares an image as
     # training did: the same size, resampling and normalization.
@@ -112,7 +112,6 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
                               if folder_names else {"image": image_col, "label": label_col}))
     task.processor = processor
     return task
-
 
 
 def vision_config(config):

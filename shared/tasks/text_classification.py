@@ -75,8 +75,8 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     labels, mapping = datacheck.label_set(list(train_ds[label_col]), list(val_ds[label_col]), label_col)
     to_id = datacheck.label_index(mapping)
     # The names a pipeline answers with: the label strings, or a hub dataset's ClassLabel names (its values are ids)
-    names = data.class_names(train_ds, label_col)
-    id2label = {i: names[int(c)] for i, c in enumerate(labels)} if names else dict(enumerate(labels)) if mapping else {}
+    names = data.class_names(train_ds, label_col, labels) or (labels if mapping else None)
+    id2label = dict(enumerate(names)) if names else {}
     texts = list(train_ds[text_col]) + (list(train_ds[pair_col]) if pair_col else [])
     tokenizer = tokenizer_for(args, texts)
     datacheck.check_seq_length(args.max_seq_length, tokenizer.num_special_tokens_to_add(bool(pair_col)), args.task)

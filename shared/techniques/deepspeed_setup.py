@@ -518,8 +518,7 @@ def gathered_parameters(model: torch.nn.Module) -> contextlib.AbstractContextMan
 def deepspeed_sharding(ds_config: dict) -> tuple[str, str]:
     """(sharding, offload) of a resolved DeepSpeed config."""
     zero = ds_config.get("zero_optimization", {})
-    devices = {(zero.get(p) or {}).get("device", "none") for p in ("offload_optimizer", "offload_param")}
-    return f"zero{zero.get('stage', 0)}", rules.offload_word(devices)
+    return f"zero{zero.get('stage', 0)}", rules.zero_offload(zero)
 
 
 def agreed(ds_config: dict, batch: int, accumulation: int, clipping: float, learning_rate: float
