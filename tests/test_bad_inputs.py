@@ -904,6 +904,14 @@ CASES = [
          "inside): 'not a complete checkpoint: the save did not finish'", [],
          ["is a folder of 1 checkpoint(s), not one checkpoint", "--resume_from_checkpoint latest --output_dir"],
          setup=lambda t: ["--resume_from_checkpoint", _steps_dir(t / "run")]),
+    Case("deepspeed-json-auto-outside-blocks", "\"auto\" in zero_optimization where Accelerate fills nothing "
+         "(sub_group_size: a raw ValueError from prepare())", [],
+         ['zero_optimization.sub_group_size is "auto"', "Set it to a value in the JSON"], recipe="zero",
+         setup=lambda t: ["--deepspeed_config", _ds_json(t, zero_optimization={"stage": 2, "sub_group_size": "auto"})]),
+    Case("fp8-config-under-deepspeed", "mixed_precision: fp8 in a DeepSpeed launch config (the fp16/bf16 blocks hold "
+         "no fp8: it trained in fp32, unsaid)", [], ["mixed precision 'fp8'", "under DeepSpeed",
+                                                     "use recipes/fp8.py"], recipe="zero",
+         env={"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_DYNAMO_MODE": "default"}),
     Case("overwrite-and-resume", "--overwrite_output_dir with --resume_from_checkpoint latest (the resume won, the "
          "overwrite was dropped unsaid)", ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
          ["they ask for opposite things", "Drop --overwrite_output_dir to train that run on"]),

@@ -38,7 +38,10 @@ BAD_INPUTS = {
     ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", '"'): "an amp / torch_autocast "
                                                                                        "block in the JSON",
     ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", "optimizer "): "a 1-bit optimizer",
-    ("shared/techniques/deepspeed_setup.py", "_fill_block_autos", ".params."): "an \"auto\" nothing fills",
+    ("shared/techniques/deepspeed_setup.py", "_fill_or_refuse_autos", " is \"auto\" in the DeepSpeed JSON "):
+        "an \"auto\" nothing fills",
+    ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", "mixed precision "):
+        "a precision DeepSpeed's blocks cannot hold (fp8)",
     ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", "sequence_parallel_size in "):
         "the JSON's sequence parallelism",
     ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", "tensor_parallel.autotp_size "):

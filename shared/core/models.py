@@ -197,7 +197,7 @@ def check_weights_dtype(args: argparse.Namespace, config: PretrainedConfig, mixe
     """The weights' training dtype, before any weight loads: refused under fp16 unless fp32; said aloud for auto."""
     dtype, stored = weights_dtype(args, config), str(getattr(config, "dtype", None)).removeprefix("torch.")
     name = str(dtype).removeprefix("torch.")
-    if dtype not in (torch.float32, torch.bfloat16):  # auto over an fp16 (or fp8 ...) checkpoint
+    if dtype.itemsize < 4 and dtype != torch.bfloat16:  # auto over an fp16 (or fp8 ...) checkpoint
         # Pure fp16 weights have no master copy and no loss scaling: small updates round away, gradients underflow.
         raise InputError(f"--weights_dtype auto: {args.model_name_or_path or 'the model'} stores its weights in "
                          f"{name}, and training them in it has no fp32 master copy and no loss scaling (updates "

@@ -252,7 +252,6 @@ def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> d
             _set(config, key, _FLAG_TYPES.get(SETTINGS[key][0], lambda v: v)(value))
     _check_global_batch(config, chosen, json_file)
     _refuse_what_the_loop_cannot_run(config, chosen, json_file)
-    _fill_block_autos(config, json_file)
 
     zero = config.setdefault("zero_optimization", {})
     stage = int(zero.get("stage", 0))
@@ -282,6 +281,8 @@ def resolve_deepspeed_config(args: argparse.Namespace, recipe_config: dict) -> d
             raise LaunchError(f"stage3_gather_16bit_weights_on_model_save is false ({save16[1]}): the final model "
                               "cannot be consolidated. Set it true, or pass --no_save_model.")
         _set(config, "zero_optimization.stage3_gather_16bit_weights_on_model_save", True)
+
+    _fill_or_refuse_autos(config, json_file)  # after every value above is written
 
     # Accelerate refuses a config dict beside YAML DeepSpeed fields ("will be ignored"): they were merged and
     # checked against each other above, so that refusal no longer applies.
@@ -323,6 +324,11 @@ def _refuse_what_the_loop_cannot_run(config: dict, chosen: dict, json_file: str 
     """JSON settings that change training and that these recipes do not run as written: refused by name."""
     where = f"the DeepSpeed JSON {json_file}" if json_file else "the DeepSpeed settings"
     # fp16 on a machine without a GPU: the rule table's (shared/core/rules.py), which names this JSON when it said fp16
+    precision, source = chosen.get("mixed_precision", ("no", ""))
+    if precision not in ("no", "fp16", "bf16"):  # the fp16 / bf16 blocks hold no other: it would have run in fp32
+        raise LaunchError(f"mixed precision {precision!r} ({source}) under DeepSpeed: these recipes run DeepSpeed in "
+                          "fp16, bf16 or fp32, and fp8 is recipes/fp8.py's (one process or DDP, checking what it "
+                          "converts). Set mixed_precision bf16 in the launch config, or use recipes/fp8.py.")
     tp = config.get("tensor_parallel") or {}
     if int(tp.get("autotp_size", 1) or 1) > 1:
         raise LaunchError(f"tensor_parallel.autotp_size {tp['autotp_size']} in {where}: DeepSpeed's AutoTP is not "
@@ -341,26 +347,39 @@ def _refuse_what_the_loop_cannot_run(config: dict, chosen: dict, json_file: str 
                           "NCCL or MPI compression backends these recipes do not set up. Use AdamW.")
 
 
-# The "auto" values of the JSON's optimizer and scheduler blocks that Accelerate fills at prepare() (accelerator.py,
-# _prepare_deepspeed); any other "auto" there made prepare() raise "`optimizer.params.betas` not found in kwargs".
-FILLED_AT_PREPARE = {"optimizer": ("lr", "weight_decay"),
-                     "scheduler": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")}
+# Where Accelerate fills an "auto" (DeepSpeedPlugin.__post_init__, Accelerator._prepare_deepspeed); any other "auto"
+# made prepare() raise "`optimizer.params.betas` not found in kwargs" (or zero_optimization.sub_group_size ...).
+FILLED_AT_PREPARE = frozenset((
+    "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping",
+    "fp16.enabled", "bf16.enabled", "zero_optimization.stage", "zero_optimization.offload_optimizer.device",
+    "zero_optimization.offload_param.device", "zero_optimization.offload_optimizer.nvme_path",
+    "zero_optimization.offload_param.nvme_path", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold", "optimizer.params.lr", "optimizer.params.weight_decay",
+    "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
+    "scheduler.params.total_num_steps"))
 ADAMW_CONSTANTS = {"betas": [0.9, 0.999], "eps": 1e-8}  # torch's AdamW defaults: the recipe's AdamW (core/optim.py)
 
 
-def _fill_block_autos(config: dict, json_file: str | None) -> None:
+def _autos(node: dict, prefix: str = "") -> list[str]:
+    """The dotted paths of a config's "auto" values."""
+    return [path for key, value in node.items() for path in (
+        _autos(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"] if value == "auto" else [])]
+
+
+def _fill_or_refuse_autos(config: dict, json_file: str | None) -> None:
     """AdamW's betas and eps left "auto" take the recipe's AdamW values (as Transformers' Trainer fills them from its
-    own); any other "auto" no one fills is refused by name before anything loads."""
+    own); any other "auto" that Accelerate does not fill is refused by name before anything loads."""
     params = (config.get("optimizer") or {}).get("params") or {}
     for key, value in ADAMW_CONSTANTS.items():
         if params.get(key) == "auto":
             params[key] = value
-    for block, filled in FILLED_AT_PREPARE.items():
-        if left := [k for k, v in ((config.get(block) or {}).get("params") or {}).items()
-                    if v == "auto" and k not in filled]:
-            raise LaunchError(f'{block}.params.{left[0]} is "auto" in the DeepSpeed JSON {json_file or ""}, and '
-                              f"nothing fills it (Accelerate fills {block}.params {', '.join(filled)}). Set it to a "
-                              "value in the JSON.")
+    if left := [path for path in _autos(config) if path not in FILLED_AT_PREPARE]:
+        block = left[0].rpartition(".")[0]
+        filled = sorted(k.rpartition(".")[2] for k in FILLED_AT_PREPARE if k.rpartition(".")[0] == block)
+        raise LaunchError(f'{left[0]} is "auto" in the DeepSpeed JSON {json_file or ""}, and nothing fills it '
+                          f"(Accelerate fills {block or 'the top level'}: {', '.join(filled) or 'nothing'}). Set it "
+                          "to a value in the JSON.")
 
 
 def json_optimizer_and_scheduler(ds_config: dict, launch: object, model: torch.nn.Module, max_steps: int
