@@ -1,5 +1,6 @@
-"""`python -m shared.tools.cp RECIPE DEST`: the copied folder runs outside the repository, on its own core
-(recipe_core), beside a user's own `shared`/`utils` packages, and holds only the core modules the recipe needs."""
+"""`python -m shared.tools.cp RECIPE DEST`: the recipe and its task module, the rest imported from the installed core
+(accelerate_recipes); with --vendor, a folder that runs outside the repository on its own core (recipe_core). Either
+runs beside a user's own `shared`/`utils` packages, and holds only the modules the recipe needs."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ from pathlib import Path
 import pytest
 
 from shared.tools.cp import (
+    INSTALLED,
+    LIBRARY_LINE,
     VENDORED,
     copied_lines,
     copy_recipe,
+    core_lines,
+    fresh_tables,
     launch_configs,
     lines_table,
     plan_copy,
@@ -120,18 +125,36 @@ def _closure(recipe: str) -> set[str]:
     return found
 
 
-def _imported_from(dest: Path, module: str) -> dict[str, str]:
-    """Where each recipe_core / shared / utils module came from when `module` (the copied recipe) is imported."""
-    code = (f"import json, sys; import {module}; print(json.dumps({{n: getattr(m, '__file__', None) for n, m in "
-            "sys.modules.items() if n.split('.')[0] in ('recipe_core', 'shared', 'utils')}))")
+def _imported_from(dest: Path, module: str, vendor: bool = True) -> dict[str, str]:
+    """Where each recipe_core / accelerate_recipes / shared / utils module came from when `module` (the copied
+    recipe) is imported, and its task module loaded as load_task loads it."""
+    code = (f"import json, sys; import {module}; task_module('text-classification'); print(json.dumps({{n: "
+            "getattr(m, '__file__', None) for n, m in sys.modules.items() if n.split('.')[0] in ('recipe_core', "
+            f"'{INSTALLED}', 'shared', 'utils')}}))")
+    code = f"from {VENDORED if vendor else INSTALLED}.core.args import task_module; {code}"
     proc = subprocess.run([sys.executable, "-c", code], cwd=dest, env=_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    _assert_not_the_repo(proc.stdout + proc.stderr)
+    if vendor:  # a linked copy runs the installed core: here, this checkout's (pip install -e .)
+        _assert_not_the_repo(proc.stdout + proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _run(dest: Path, recipe: str, *extra: str, config: str | None = None) -> dict:
+def _check_loaded(loaded: dict[str, str], dest: Path, vendor: bool) -> None:
+    """A vendored copy runs on its recipe_core alone; a linked one on its task modules and the installed core."""
+    assert loaded and "shared" not in loaded and "utils" not in loaded, loaded
+    mine = {n: f for n, f in loaded.items() if f and Path(f).is_relative_to(dest / VENDORED)}
+    assert "recipe_core.tasks.text_classification" in mine, loaded
+    if vendor:
+        assert mine == loaded, loaded
+    else:
+        assert set(mine) == {n for n in loaded if n.split(".")[0] == VENDORED}, loaded
+        assert {n.split(".")[1] for n in mine if "." in n} == {"tasks"}, mine  # the copy holds its tasks alone
+        assert all(Path(loaded[n]).is_relative_to(ROOT / "shared") for n in loaded if n.startswith(INSTALLED)), loaded
+        assert f"{INSTALLED}.core.launch" in loaded and f"{INSTALLED}.tasks.text_classification" not in loaded
+
+
+def _run(dest: Path, recipe: str, *extra: str, config: str | None = None, vendor: bool = True) -> dict:
     cmd = [sys.executable]
     if config:
         cmd += ["-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
@@ -141,20 +164,28 @@ def _run(dest: Path, recipe: str, *extra: str, config: str | None = None) -> dic
     cmd += [f"{recipe}.py", *small, SMALL[-1], *extra, "--output_dir", "out"]
     proc = subprocess.run(cmd, cwd=dest, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    _assert_not_the_repo(proc.stdout + proc.stderr)
+    if vendor:
+        _assert_not_the_repo(proc.stdout + proc.stderr)
     return json.loads((dest / "out" / "results.json").read_text())
 
 
-def _check_copy(dest: Path, recipe: str, readme: str = "README.md") -> None:
+def _check_copy(dest: Path, recipe: str, readme: str = "README.md", vendor: bool = True) -> None:
     text = (dest / f"{recipe}.py").read_text()
     tree = ast.parse(text)
-    assert _core_imports(tree) == [] and _core_imports(tree, VENDORED), "imports not renamed to recipe_core"
+    core = VENDORED if vendor else INSTALLED
+    assert _core_imports(tree) == [] and _core_imports(tree, core), f"imports not renamed to {core}"
     assert NEW_PATH_LINE in text.splitlines() and "parents[1]" not in text
     assert f"recipes/{recipe}.py" not in (ast.get_docstring(tree) or "")
     copied = {p.relative_to(dest / VENDORED).as_posix() for p in (dest / VENDORED).rglob("*.py")}
-    assert copied == _closure(recipe) and "core/args.py" in copied
+    if vendor:
+        assert copied == _closure(recipe) and "core/args.py" in copied
+    else:  # the task modules alone; their imports of the rest of the core name the installed one
+        assert copied == {r for r in _closure(recipe) if r.startswith("tasks/")} | {"__init__.py"}, copied
     for rel in copied:
-        assert _core_imports(ast.parse((dest / VENDORED / rel).read_text())) == [], rel
+        tree = ast.parse((dest / VENDORED / rel).read_text())
+        assert _core_imports(tree) == [], rel
+        if not vendor:  # no relative import leaves tasks/: recipe_core/ holds nothing else
+            assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 1], rel
     named = set(re.findall(r"accelerate_configs/[\w.\-]+\.(?:yaml|json)", ast.get_docstring(tree) or ""))
     assert {f"accelerate_configs/{p.name}" for p in (dest / "accelerate_configs").glob("*")} >= named
     notes = (dest / readme).read_text()
@@ -169,9 +200,11 @@ def _requirements(path: Path) -> dict[str, str]:
     return {re.split(r"[=<>~! ]", line)[0].lower(): line for line in lines}
 
 
-def _check_requirements(path: Path) -> dict[str, str]:
-    """The copy's requirements are lines of the repository's, torch among them, its test and lint tools not."""
+def _check_requirements(path: Path, vendor: bool = True) -> dict[str, str]:
+    """The copy's requirements are lines of the repository's, torch among them, its test and lint tools not; a
+    linked copy's end with this checkout's core, editable (its `-e .`, the path made absolute)."""
     req, repo = _requirements(path), _requirements(ROOT / "requirements.txt")
+    assert (req.pop("-e", None) == LIBRARY_LINE) != vendor and LIBRARY_LINE == f"-e {ROOT}", req
     assert set(req.values()) <= set(repo.values()) and "torch" in req, req
     assert not set(req) & {"pytest", "pytest-xdist", "ruff"}, req
     return req
@@ -182,10 +215,13 @@ def _check_results(r: dict, recipe: str, processes: int) -> None:
     assert math.isfinite(r["train_loss"])
 
 
-# (recipe, launch config or None for `python <recipe>.py`, processes, extra flags)
+# (recipe, launch config or None for `python <recipe>.py`, processes, extra flags); --vendor unless marked linked
+LINKED = ("linked",)
 RUNS = [
     ("baseline", None, 1, ()),
-    ("zero3_offload", None, 1, ()),  # the recipe's own settings, 1 process
+    ("baseline", "multi_cpu.yaml", 2, LINKED),  # the copy as typed: its task module, the installed core
+    ("zero3_offload", None, 1, LINKED),  # the recipe's own settings, 1 process; DeepSpeed's module installed
+    pytest.param("zero3_offload", None, 1, (), marks=pytest.mark.slow),
     pytest.param("zero3_offload", "zero3_offload.yaml", 2, (), marks=pytest.mark.slow),  # its copied config
     ("qlora", None, 1, ()),
     ("optim_low_bit", None, 1, ("--optim", "adamw_bnb_8bit")),  # no compiled step: torchao's would add ~30 s here
@@ -201,24 +237,22 @@ RUNS = [
 
 @pytest.mark.parametrize("recipe, config, processes, extra", RUNS)
 def test_copied_recipe_runs_outside_the_repository(tmp_path, recipe, config, processes, extra):
-    dest = _outside(tmp_path)
-    proc = _cp(recipe, str(dest))
+    dest, vendor = _outside(tmp_path), extra != LINKED
+    proc = _cp(recipe, str(dest), *(["--vendor"] if vendor else []))
     assert proc.returncode == 0, proc.stderr
     assert f"python {recipe}.py" in proc.stdout  # the summary names the run command
-    _check_copy(dest, recipe)
-    _check_requirements(dest / "requirements.txt")
-
-    loaded = _imported_from(dest, recipe)
-    assert loaded and all(Path(f).is_relative_to(dest / VENDORED) for f in loaded.values()), loaded
-    assert "shared" not in loaded
-    _check_results(_run(dest, recipe, *extra, config=config), recipe, processes)
+    _check_copy(dest, recipe, vendor=vendor)
+    _check_requirements(dest / "requirements.txt", vendor)
+    _check_loaded(_imported_from(dest, recipe, vendor), dest, vendor)
+    extra = () if extra == LINKED else extra
+    _check_results(_run(dest, recipe, *extra, config=config, vendor=vendor), recipe, processes)
 
 
 def test_preflight_runs_in_a_copy(tmp_path):
     """--preflight in a copy: the resolved run printed and saved, stopped before the first step, without the
     planner's estimate (a repository tool the copy does not carry)."""
     dest = _outside(tmp_path)
-    copy_recipe("baseline", dest)
+    copy_recipe("baseline", dest, vendor=True)
     proc = subprocess.run([sys.executable, "baseline.py", *SMALL, "--preflight", "--output_dir", "out"], cwd=dest,
                           env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -240,21 +274,18 @@ def test_users_own_shared_and_utils_stay_untouched_and_unused(tmp_path):
     for path, data in mine.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-    proc = _cp("baseline", str(dest))
+    proc = _cp("baseline", str(dest))  # linked: the installed core is accelerate_recipes, not a `shared`
     assert proc.returncode == 0, proc.stderr
-    _check_copy(dest, "baseline", readme="README_baseline.md")
-    _check_requirements(dest / "requirements-recipes.txt")
+    _check_copy(dest, "baseline", readme="README_baseline.md", vendor=False)
+    _check_requirements(dest / "requirements-recipes.txt", vendor=False)
     assert "pip install -r requirements-recipes.txt" in (dest / "README_baseline.md").read_text()
-
-    loaded = _imported_from(dest, "baseline")
-    assert "shared" not in loaded and "utils" not in loaded, loaded
-    assert all(Path(f).is_relative_to(dest / VENDORED) for f in loaded.values()), loaded
-    _check_results(_run(dest, "baseline"), "baseline", 1)
+    _check_loaded(_imported_from(dest, "baseline", vendor=False), dest, vendor=False)
+    _check_results(_run(dest, "baseline", vendor=False), "baseline", 1)
     assert {path: path.read_bytes() for path in mine} == mine
 
 
 def test_baseline_gets_only_the_core_modules_it_imports(tmp_path):
-    c = copy_recipe("baseline", _outside(tmp_path))
+    c = copy_recipe("baseline", _outside(tmp_path), vendor=True)
     copied = {p.relative_to(c.dest / VENDORED).as_posix() for p in (c.dest / VENDORED).rglob("*.py")}
     assert copied == _closure("baseline")
     # Pipeline, quantization and DeepSpeed are other recipes' business (the rule table, core/rules.py, is everyone's).
@@ -266,10 +297,11 @@ def test_baseline_gets_only_the_core_modules_it_imports(tmp_path):
 
 def test_every_recipe_copies_with_no_import_of_shared_left(tmp_path):
     for recipe in recipe_names():
-        dest = tmp_path / recipe
-        copy_recipe(recipe, dest)
-        _check_copy(dest, recipe)
-        compile((dest / f"{recipe}.py").read_text(), f"{recipe}.py", "exec")
+        for vendor in (True, False):
+            dest = tmp_path / f"{recipe}-{vendor}"
+            copy_recipe(recipe, dest, vendor=vendor)
+            _check_copy(dest, recipe, vendor=vendor)
+            compile((dest / f"{recipe}.py").read_text(), f"{recipe}.py", "exec")
 
 
 def test_every_import_form_is_rewritten_and_runs(tmp_path):
@@ -303,7 +335,7 @@ if __name__ == "__main__":
     main()
 ''')
     dest = _outside(tmp_path)
-    c = copy_recipe(str(recipe), dest)
+    c = copy_recipe(str(recipe), dest, vendor=True)
     text = (dest / "weird.py").read_text()
     assert _core_imports(ast.parse(text)) == [] and NEW_PATH_LINE in text
     assert '"""Weird: `python weird.py`; recipes/weirdo.py stays."""' in text
@@ -316,6 +348,28 @@ if __name__ == "__main__":
     assert proc.returncode == 0, proc.stderr[-4000:]
     files = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(files) == 7 and all(Path(f).is_relative_to(dest / VENDORED) for f in files), files
+    # Linked, every form names the installed core, and runs on it.
+    linked = tmp_path / "linked"
+    copy_recipe(str(recipe), linked)
+    text = (linked / "weird.py").read_text()
+    assert _core_imports(ast.parse(text)) == [] and f"{INSTALLED}.core.args, res" in text
+    proc = subprocess.run([sys.executable, "weird.py"], cwd=linked, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    files = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(files) == 7 and all(Path(f).is_relative_to(ROOT / "shared" / "core") for f in files), files
+
+
+def test_a_folder_holds_one_kind_of_copy(tmp_path):
+    """A linked and a --vendor copy in one folder would share recipe_core/tasks/ with two cores: refused, unwritten."""
+    for first, second in ((False, True), (True, False)):
+        dest = tmp_path / str(first)
+        copy_recipe("baseline", dest, vendor=first)
+        before = {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+        with pytest.raises(SystemExit, match="Copy (with|without) --vendor, or choose another DEST"):
+            copy_recipe("gradient_accumulation", dest, vendor=second)
+        assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before
+        copy_recipe("gradient_accumulation", dest, vendor=first)  # the same kind adds to it
 
 
 def test_configs_bring_the_files_they_reference(tmp_path):
@@ -370,16 +424,16 @@ def test_never_overwrites_the_users_files(tmp_path):
 def _edited_core_survives(dest: Path, second: str, force: bool, run: bool) -> None:
     """Copy baseline, edit two copied files as a user would, copy `second` into the same folder (and run it there:
     the edit in effect, unless --force took the fresh copy)."""
-    copy_recipe("baseline", dest)
+    copy_recipe("baseline", dest, vendor=True)
     args = dest / VENDORED / "core" / "args.py"
     mine = args.read_text() + 'print("my tweak in effect")\n'
     args.write_text(mine)
     gpu = dest / "accelerate_configs" / "multi_gpu.yaml"  # as the README says: num_processes set to the GPU count
     gpu_mine = gpu.read_text().replace("num_processes: 8", "num_processes: 2")
     gpu.write_text(gpu_mine)
-    proc = _cp(second, str(dest), *(["--force"] if force else []))
+    proc = _cp(second, str(dest), "--vendor", *(["--force"] if force else []))
     assert proc.returncode == 0, proc.stderr
-    c = plan_copy(ROOT / "recipes" / f"{second}.py", dest)
+    c = plan_copy(ROOT / "recipes" / f"{second}.py", dest, vendor=True)
     fresh = c.files[f"{VENDORED}/core/args.py"][0]
     if force:  # the fresh copies in place, the user's versions beside them, and the summary says so
         assert args.read_bytes() == fresh and (dest / f"{VENDORED}/core/args.py.orig").read_text() == mine
@@ -422,49 +476,45 @@ def test_no_tool_is_in_any_copy(tmp_path):
     tools = {p.relative_to(ROOT / "shared").as_posix() for p in (ROOT / "shared" / "tools").rglob("*.py")}
     assert {"tools/cp.py", "tools/plan.py", "tools/preflight.py"} <= tools
     for recipe in recipe_names():
-        c = plan_copy(ROOT / "recipes" / f"{recipe}.py", tmp_path / recipe)
-        core = {rel.removeprefix(f"{VENDORED}/") for rel in c.files if rel.startswith(f"{VENDORED}/")}
-        assert core and not core & tools and not any(r.startswith("tools/") for r in core), recipe
-        assert not any("tools" in src.split("/") for _, src in c.files.values()), recipe
-        assert not re.search(rb"\b(shared|recipe_core)\.tools\b", c.files[f"{recipe}.py"][0]), recipe
+        for vendor in (True, False):
+            c = plan_copy(ROOT / "recipes" / f"{recipe}.py", tmp_path / recipe, vendor=vendor)
+            core = {rel.removeprefix(f"{VENDORED}/") for rel in c.files if rel.startswith(f"{VENDORED}/")}
+            assert core and not core & tools and not any(r.startswith("tools/") for r in core), recipe
+            assert not any("tools" in src.split("/") for _, src in c.files.values()), recipe
+            assert not re.search(rb"\b(shared|recipe_core|accelerate_recipes)\.tools\b",
+                                 c.files[f"{recipe}.py"][0]), recipe
 
 
-def _core_lines(c) -> int:
-    return sum(len(data.decode().splitlines()) for rel, (data, _) in c.files.items() if rel.startswith(f"{VENDORED}/"))
-
-
-def test_a_copied_baseline_carries_the_spine_alone(tmp_path):
-    """No technique module, no tool, and one task module (its default task's): the spine and that task, of which at
-    most 4,054 lines hold code, comments or docstrings (4,054 of 4,799 lines; 4,350 of 5,122 before the image data,
-    each task's built-in data and a decoder's attention features moved into the modules copied only with their tasks
-    and techniques, FSDP's launch code to shared/techniques/fsdp_launch.py and each recipe's Support into the recipe,
-    issue 32, with +47 for results.json's stepped learning-rate schedule and the DeepSpeed JSON's boundary and +67 for
-    the csv header and field-count check, the leftover compile and accumulation variables, columns named in
-    another case and launcher options given to the recipe, issue 37; then 4,072, before each task's flags, the decoder
-    presets and the causal-LM and image halves of Task moved to their task modules, DeepSpeed's launch steps and rules
-    to deepspeed_setup.py and checkpoint code only techniques run to them, with +4 for Task.user_loss (the causal
-    LM's evaluation shares it), +3 for rules.zero_offload (deepspeed_setup shares it) and +43 for fresh cases: a
-    quantized or fp16-only checkpoint, a config.json that does not fit its weights, records under a JSON key,
-    overwrite with resume, a run's folder given as a checkpoint, a hub dataset's class names).
-    It was 3,600 before each technique's rules moved to its module and the task modules out of the spine, and grew
-    with --weights_dtype, the live dtypes in results.json, the router loss and the shipped-shape presets (issue 33);
-    the issue's goal is 1,500. Another task is one flag of the copy command away, and a copy without it refuses that
-    task with the command that adds it."""
-    c = plan_copy(ROOT / "recipes" / "baseline.py", tmp_path)
-    core = {rel: data.decode() for rel, (data, _) in c.files.items() if rel.startswith(f"{VENDORED}/")}
-    tasks = sorted(rel for rel in core if rel.startswith(f"{VENDORED}/tasks/"))
-    assert tasks == [f"{VENDORED}/tasks/__init__.py", f"{VENDORED}/tasks/text_classification.py"], tasks
-    assert all(rel.startswith((f"{VENDORED}/core/", f"{VENDORED}/__init__", f"{VENDORED}/tasks/")) for rel in core)
-    assert sum(1 for text in core.values() for line in text.splitlines() if line.strip()) <= 4054
-    more = plan_copy(ROOT / "recipes" / "baseline.py", tmp_path, tasks=["causal-lm"])
-    assert {f"{VENDORED}/tasks/causal_lm.py", f"{VENDORED}/tasks/packing.py"} <= set(more.files)
-    assert f"{VENDORED}/tasks/text_classification.py" not in more.files  # what was asked, not the default too
-    assert f"{VENDORED}/tasks/causal_lm.py" in plan_copy(ROOT / "recipes" / "chunked_loss.py", tmp_path).files
+def test_a_copied_baseline_carries_its_task_and_a_vendored_one_the_spine_alone(tmp_path):
+    """`cp baseline DEST`, as typed: the recipe and one task module (its default task's), the rest of the core
+    imported from the installed accelerate_recipes, as torchtune's `tune cp` leaves its library installed: at most
+    1,500 non-blank lines of core, the issue's goal (issue 32; 99, text_classification.py). With --vendor, the spine
+    and that task, no technique module and no tool: at most 4,063 non-blank lines (+9: which package a copy's task
+    modules load from; 4,054 of 4,799 lines before, 4,350 of 5,122
+    before the image data, each task's built-in data, flags, presets and evaluation, a decoder's attention features
+    and FSDP's and DeepSpeed's launch steps moved into the modules copied only with their tasks and techniques, with
+    +47, +67 and +43 for fresh cases of bad input, issues 32 and 37; 3,600 before each technique's rules moved to its
+    module). Another task is one flag of the copy command away, and a copy without it refuses that task with the
+    command that adds it."""
+    for vendor, cap in ((False, 1500), (True, 4063)):
+        c = plan_copy(ROOT / "recipes" / "baseline.py", tmp_path, vendor=vendor)
+        core = [rel for rel in c.files if rel.startswith(f"{VENDORED}/")]
+        tasks = sorted(rel for rel in core if rel.startswith(f"{VENDORED}/tasks/"))
+        assert tasks == [f"{VENDORED}/tasks/__init__.py", f"{VENDORED}/tasks/text_classification.py"], tasks
+        spine = (f"{VENDORED}/core/", f"{VENDORED}/__init__", f"{VENDORED}/tasks/") if vendor else (
+            f"{VENDORED}/__init__", f"{VENDORED}/tasks/")
+        assert all(rel.startswith(spine) for rel in core), core
+        assert 0 < core_lines(c) <= cap, (vendor, core_lines(c))
+        more = plan_copy(ROOT / "recipes" / "baseline.py", tmp_path, tasks=["causal-lm"], vendor=vendor)
+        assert {f"{VENDORED}/tasks/causal_lm.py", f"{VENDORED}/tasks/packing.py"} <= set(more.files)
+        assert f"{VENDORED}/tasks/text_classification.py" not in more.files  # what was asked, not the default too
+        assert f"{VENDORED}/tasks/causal_lm.py" in plan_copy(ROOT / "recipes" / "chunked_loss.py", tmp_path,
+                                                            vendor=vendor).files
 
     dest = _outside(tmp_path)
     copy_recipe("baseline", dest)
     # Another task, one of its flags (before argparse could call it unrecognized), or a decoder preset: each refused
-    # with the copy command that adds its module.
+    # with the copy command that adds its module (the installed core's is not the copy's, which the user edits).
     for argv, task, says in ((["--task", "causal-lm"], "causal-lm", "--task causal-lm: "),
                              (["--messages_column", "m"], "sft", "--messages_column serves --task sft: "),
                              (["--packing=none"], "causal-lm", "--packing serves --task causal-lm: "),
@@ -480,14 +530,21 @@ def test_a_copied_baseline_carries_the_spine_alone(tmp_path):
 def test_copied_lines_and_the_layout_table():
     lines = copied_lines()
     assert set(lines) == set(recipe_names())
-    recipe, spine, techniques = lines["baseline"]
-    c = plan_copy(ROOT / "recipes" / "baseline.py", ROOT / "no-such-dest")
-    assert recipe == len((ROOT / "recipes" / "baseline.py").read_text().splitlines()) > 0
-    assert spine + techniques == _core_lines(c) > 0 and techniques == 0
-    assert lines["zero3_offload"][2] > 0 and lines["zero3_offload"][1] == spine  # a technique module more
+    recipe, task, spine, techniques = lines["baseline"]
+    linked = plan_copy(ROOT / "recipes" / "baseline.py", ROOT / "no-such-dest")
+    full = plan_copy(ROOT / "recipes" / "baseline.py", ROOT / "no-such-dest", vendor=True)
+    assert recipe == sum(1 for line in (ROOT / "recipes" / "baseline.py").read_text().splitlines() if line.strip())
+    assert task == core_lines(linked) > 0 and spine == core_lines(full) > task and techniques == 0
+    assert lines["zero3_offload"][3] > 0 and lines["zero3_offload"][2] == spine  # a technique module more
+    assert lines["zero3_offload"][1] == task  # linked, the technique is the installed core's
     page = (ROOT / "docs" / "layout.md").read_text()
     table = page.split("<!-- copied-lines -->\n", 1)[1].split("<!-- /copied-lines -->", 1)[0].strip()
-    assert table == lines_table(), "docs/layout.md's copied-lines table is stale: python -m shared.tools.cp --lines"
+    assert table == lines_table(lines), "docs/layout.md's copied-lines table is stale"
+    readme = (ROOT / "README.md").read_text()  # every recipe's row says what its copy weighs
+    assert f"| `baseline` | plain fp32 training with Accelerate: the reference | [usage](docs/usage.md) | {recipe} + " \
+           f"{task} |" in readme
+    stale = [str(p) for p, text in fresh_tables(lines).items() if p.read_text() != text]
+    assert not stale, f"{stale}: python -m shared.tools.cp --lines --write"
 
 
 def test_requirements_are_what_the_copy_imports(tmp_path):
@@ -502,9 +559,14 @@ def test_requirements_are_what_the_copy_imports(tmp_path):
 
 
 def _check_requirements_of(recipe: str, tmp_path: Path) -> dict[str, str]:
-    c = plan_copy(ROOT / "recipes" / f"{recipe}.py", tmp_path / recipe)
-    (tmp_path / f"{recipe}.txt").write_bytes(c.files["requirements.txt"][0])
-    return _check_requirements(tmp_path / f"{recipe}.txt")
+    """Linked and --vendor, the same packages (a linked copy's core is installed from the checkout, its pins too)."""
+    reqs = []
+    for vendor in (False, True):
+        c = plan_copy(ROOT / "recipes" / f"{recipe}.py", tmp_path / recipe, vendor=vendor)
+        (tmp_path / f"{recipe}.txt").write_bytes(c.files["requirements.txt"][0])
+        reqs.append(_check_requirements(tmp_path / f"{recipe}.txt", vendor))
+    assert reqs[0] == reqs[1], reqs
+    return reqs[0]
 
 
 def test_every_multi_process_recipe_gets_the_cpu_config_and_says_what_each_line_starts(tmp_path):
@@ -565,10 +627,10 @@ import json, sys
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
-from recipe_core.core.args import parse_args
-from recipe_core.core.errors import InputError
-from recipe_core.core.launch import resolve_launch
-from recipe_core.core.tasks import load_task
+from accelerate_recipes.core.args import parse_args
+from accelerate_recipes.core.errors import InputError
+from accelerate_recipes.core.launch import resolve_launch
+from accelerate_recipes.core.tasks import load_task
 import baseline
 
 launch, accelerator = resolve_launch(parse_args(sys.argv[1:]), "baseline"), Accelerator(cpu=True)
@@ -623,7 +685,7 @@ def test_a_weight_column_trains_a_copy_without_editing_its_core(tmp_path):
     assert "weight" not in r["seen"] and "input_ids" in r["seen"], r["seen"]  # never passed to the model
     assert "no column ['wieght']" in r["refused"] and "weight" in r["refused"]  # a typo is named, with the columns
 
-    _check_results(_run(dest, "baseline", "--train_file", "train.jsonl"), "baseline", 1)  # the adapted recipe trains
+    _check_results(_run(dest, "baseline", "--train_file", "train.jsonl", vendor=False), "baseline", 1)  # it trains
     manifest = json.loads((dest / VENDORED / "COPIED_FROM.json").read_text())["files"]
     core = [rel for rel in manifest if rel.startswith(f"{VENDORED}/")]
     assert core and all(hashlib.sha256((dest / rel).read_bytes()).hexdigest() == manifest[rel]["sha256"]

@@ -388,7 +388,8 @@ def test_copied_baseline_runs_sft_on_a_users_jsonl_outside_the_repository(tmp_pa
     root = Path(__file__).resolve().parents[1]
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "OMP_NUM_THREADS": "1"}
     dest = tmp_path / "myproj"
-    proc = subprocess.run([sys.executable, "-m", "shared.tools.cp", "baseline", str(dest), "--task", "sft"], cwd=root,
+    proc = subprocess.run([sys.executable, "-m", "shared.tools.cp", "baseline", str(dest), "--task", "sft",
+                           "--vendor"], cwd=root,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert {"sft.py", "chat.py", "causal_lm.py", "packing.py"} <= {p.name for p in (dest / "recipe_core" / "tasks")

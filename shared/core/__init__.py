@@ -1,2 +1,2 @@
-"""The spine: flags, launch, rule table, the three task families, the loop's meter, checkpoints, results. Every
-recipe imports it and every copy carries it; it imports nothing from techniques/ or tools/."""
+"""The spine: flags, launch, rule table, the task families' common part, the loop's meter, checkpoints, results.
+Every recipe imports it (a copy: installed, or with --vendor); it imports nothing from techniques/ or tools/."""

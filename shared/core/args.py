@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import importlib.util
 import logging
 import math
 import os
@@ -356,10 +357,20 @@ def parse_args(
     return args  # as typed: values resolved from it (the learning rate, the output dir, ...) are the Launch's
 
 
+def tasks_package() -> str:
+    """The package task modules load from: shared in the repository, recipe_core in a copy. A copy that imports this
+    core installed (as accelerate_recipes: `python -m shared.tools.cp` without --vendor) carries its task modules in
+    recipe_core/ beside the recipe, and trains with those, as the user edited them; without one, the installed."""
+    package = __package__.rsplit(".", 1)[0]  # shared, accelerate_recipes installed, or recipe_core vendored
+    if package == "accelerate_recipes" and importlib.util.find_spec("recipe_core") is not None:
+        return "recipe_core"
+    return package
+
+
 def task_module(name: str, recipe: str = "", why: str = "", task: str = ""):
     """shared/tasks/<name>.py, by name: a copied recipe carries the task modules it was copied with. `why`: what asked
     for it, where --task did not; `task`: the task it is copied with, where it is not one itself."""
-    package = __package__.rsplit(".", 1)[0]  # shared, or recipe_core in a copy
+    package = tasks_package()
     module = name.replace("-", "_")
     try:
         return importlib.import_module(f"{package}.tasks.{module}")

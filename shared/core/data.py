@@ -10,6 +10,7 @@ from difflib import get_close_matches
 from pathlib import Path
 
 from . import datacheck
+from .args import tasks_package
 from .boundary import diagnose, loading
 from .errors import InputError
 
@@ -21,8 +22,7 @@ def builtin_split(task: str, split: str) -> dict[str, list]:
     """The built-in data: 2000 training and 400 validation examples, the same on every machine. Each task module
     makes its own (builtin_data in shared/tasks/<task>.py), loaded by name: a copy carries its task's alone."""
     n, seed = BUILTIN_SIZES[split], {"train": 1, "validation": 2}[split]
-    package = __package__.rsplit(".", 1)[0]  # shared, or recipe_core in a copy
-    return importlib.import_module(f"{package}.tasks.{task.replace('-', '_')}").builtin_data(n, seed)
+    return importlib.import_module(f"{tasks_package()}.tasks.{task.replace('-', '_')}").builtin_data(n, seed)
 
 
 # ---------------------------------------------------------------- user data: files, folders, hub

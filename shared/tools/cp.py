@@ -1,20 +1,25 @@
-"""Take a recipe into your own project: one self-contained folder that runs without this repository.
+"""Take a recipe into your own project: the recipe and its task module, to change as your own.
 
     python -m shared.tools.cp zero3_offload ~/myproj    # or: ... recipes/zero3_offload.py ~/myproj
     cd ~/myproj && python zero3_offload.py
 
-DEST gets the recipe (DEST/<recipe>.py), the modules of shared/ it imports, transitively, vendored as the package
-`recipe_core` (so a `shared` or `utils` package of your own is never shadowed), the launch configs its docstring
-names (and accelerate_configs/multi_cpu.yaml, the CPU-only form, for a recipe that runs in several processes), a
-requirements.txt of the packages those files import (pinned as the recipes' requirements.txt pins them) and a README
-that says what each launch line starts, and which to use on a CPU-only machine and on a GPU machine.
-Your own columns and loss, without editing the copied core: docs/adapting_a_copy.md.
+As torchtune's `tune cp` copies a recipe and leaves torchtune installed, DEST gets what you change: the recipe
+(DEST/<recipe>.py) and the module of its task (DEST/recipe_core/tasks/: the model, the data, the loss, the metrics).
+The rest of the core (flags, launch checks, the rule table, checkpoints, results, the techniques) is imported from
+`accelerate_recipes`, this checkout's shared/ installed by its requirements.txt (`-e .`), never edited in a copy.
+`--vendor` copies that core too, as the package `recipe_core`: a folder that runs without this checkout installed
+(about 4,000 more lines; a `shared` or `utils` package of your own is never shadowed either way).
+
+DEST also gets the launch configs the recipe's docstring names (and accelerate_configs/multi_cpu.yaml, the CPU-only
+form, for a recipe that runs in several processes), a requirements.txt of the packages those files import (pinned as
+the recipes' requirements.txt pins them) and a README that says what each launch line starts, and which to use on a
+CPU-only machine and on a GPU machine. Your own columns and loss: docs/adapting_a_copy.md.
 
 A second recipe copied into the same DEST adds what it needs (requirements.txt gets its packages, its README is
-README_<recipe>.md). No edit of yours is ever lost: a README.md or requirements.txt of yours makes it write
-README_<recipe>.md / requirements-recipes.txt; a file this command wrote that you edited since stays as it is (and is
-what runs), the fresh copy written beside it as FILE.new; --force takes the fresh copy and keeps yours as FILE.orig.
-Any other file of yours in the way stops it before it writes anything, --force or not.
+README_<recipe>.md); both copies are linked, or both --vendor. No edit of yours is ever lost: a README.md or
+requirements.txt of yours makes it write README_<recipe>.md / requirements-recipes.txt; a file this command wrote that
+you edited since stays as it is (and is what runs), the fresh copy written beside it as FILE.new; --force takes the
+fresh copy and keeps yours as FILE.orig. Any other file of yours in the way stops it before it writes anything.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ COMMAND = f"python -m {CORE}.tools.cp"
 ROOT = CORE_DIR.parent
 RECIPES = ROOT / "recipes"
 VENDORED = "recipe_core"  # a name no user project is likely to have, unlike shared/ or utils/
+INSTALLED = "accelerate_recipes"  # shared/ as pyproject.toml installs it: what a linked copy imports
+LINKED_TOP = (f'"""This copy\'s own modules (written by {COMMAND}): tasks/ holds the model, the data, the loss and '
+              f'the metrics.\nThe rest of the core is imported from the installed {INSTALLED}."""\n').encode()
 MANIFEST = f"{VENDORED}/COPIED_FROM.json"  # what this command wrote, so a rerun may update it (and nothing else)
 OLD_PATH_CALL = "sys.path.insert(0, str(Path(__file__).resolve().parents[1]))"
 NEW_PATH_CALL = "sys.path.insert(0, str(Path(__file__).resolve().parent))"
@@ -102,6 +110,11 @@ def core_imports(tree: ast.AST, core: str = CORE) -> list[ast.Import | ast.Impor
 
 
 def _import_edits(src: _Text, tree: ast.AST, old: str, new: str) -> list[tuple[int, int, str]]:
+    """`old` -> `new` in every absolute import of `old`; in a linked copy (`new` is INSTALLED) `old.tasks` goes to
+    VENDORED instead: the copy's own task modules."""
+    def target(module: str) -> str:
+        return VENDORED if new == INSTALLED and _is_core(module, f"{old}.tasks") else new
+
     edits = []
     binds_old_name = False  # `import shared.core.args` binds the name `shared`: its uses must follow the rename
     for node in core_imports(tree, old):
@@ -109,19 +122,40 @@ def _import_edits(src: _Text, tree: ast.AST, old: str, new: str) -> list[tuple[i
             # The module's first name is the first NAME token after `from` (alias has positions, module has none).
             tok = src.token_after(src.offset(node.lineno, node.col_offset), tokenize.NAME)
             assert tok.string == old, f"line {node.lineno}: expected `from {old}...`"
-            edits.append((src.tok_offset(tok), src.tok_offset(tok) + len(old), new))
+            edits.append((src.tok_offset(tok), src.tok_offset(tok) + len(old), target(node.module)))
             continue
         for alias in node.names:
             if _is_core(alias.name, old):
                 start = src.offset(alias.lineno, alias.col_offset)
                 assert src.text.startswith(old, start), f"line {alias.lineno}: expected `import {old}...`"
-                edits.append((start, start + len(old), new))
+                assert alias.asname or target(alias.name) == new, f"line {alias.lineno}: `import {alias.name}`"
+                edits.append((start, start + len(old), target(alias.name)))
                 binds_old_name |= alias.asname is None
     if binds_old_name:
         for node in ast.walk(tree):
             if isinstance(node, ast.Name) and node.id == old:
                 start, end = src.span(node)
                 edits.append((start, end, new))
+    return edits
+
+
+def _outward_edits(src: _Text, tree: ast.AST, package: tuple[str, ...], kept: str) -> list[tuple[int, int, str]]:
+    """A linked copy's task module: a relative import that leaves `kept` (`from ..core import data`) made an import
+    of the installed core (`from accelerate_recipes.core import data`); one within it stays relative."""
+    edits = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.ImportFrom) and node.level > 0):
+            continue
+        base = package[: len(package) - (node.level - 1)] + tuple(node.module.split(".") if node.module else ())
+        if base[:1] == (kept,):
+            continue
+        start = src.offset(node.lineno, node.col_offset)
+        first = src.token_after(start, tokenize.OP)  # the dots after `from`
+        last = src.token_after(start + 4, tokenize.NAME)  # the next NAME: the module's first part, or `import`
+        while last.string != "import":
+            last = src.token_after(src.tok_offset(last), tokenize.NAME)
+        end = src.tok_offset(last)
+        edits.append((src.tok_offset(first), end, ".".join((INSTALLED, *base)) + " "))
     return edits
 
 
@@ -169,6 +203,13 @@ def rewrite_imports(text: str, old: str = CORE, new: str = VENDORED) -> str:
     """Every absolute import of package `old` (any depth, any form) made an import of `new`."""
     src = _Text(text)
     return _check(_apply(text, _import_edits(src, ast.parse(text), old, new)), old)
+
+
+def rewrite_task_module(text: str, package: tuple[str, ...]) -> str:
+    """A task module as a linked copy carries it: what it imports from outside tasks/ comes from the installed core."""
+    src, tree = _Text(text), ast.parse(text)
+    edits = _import_edits(src, tree, CORE, INSTALLED) + _outward_edits(src, tree, package, "tasks")
+    return _check(_apply(text, edits), CORE)
 
 
 def rewrite_recipe(text: str, recipe: str, old: str = CORE, new: str = VENDORED) -> str:
@@ -397,6 +438,9 @@ PACKAGE_OF_NAME = {"BitsAndBytesConfig": "bitsandbytes"}
 TRACKER_PACKAGES = {"comet_ml": "comet-ml"}  # --report_to tracker -> pip name, where they differ (core/launch.py)
 
 
+LIBRARY_LINE = f"-e {ROOT}"
+
+
 def _pip_name(line: str) -> str:
     return re.split(r"[\s<>=!~;\[#]", line.strip(), maxsplit=1)[0].lower().replace("_", "-")
 
@@ -404,7 +448,8 @@ def _pip_name(line: str) -> str:
 def _pinned() -> dict[str, str]:
     """pip name -> its line in the repository's requirements.txt."""
     lines = (ROOT / "requirements.txt").read_text().splitlines()
-    return {_pip_name(line): line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")}
+    return {_pip_name(line): line.strip() for line in lines  # not comments, nor `-e .` (this checkout's core)
+            if line.strip() and not line.lstrip().startswith(("#", "-"))}
 
 
 def _optional(tree: ast.AST) -> set[int]:
@@ -459,7 +504,7 @@ def needed_packages(sources: list[bytes], configs: list[Path] = ()) -> list[str]
     for path in configs:  # accelerate imports deepspeed for a DEEPSPEED launch
         if path.suffix in (".yaml", ".yml") and str(_config(path).get("distributed_type")) == "DEEPSPEED":
             names.add("deepspeed")
-    names -= set(sys.stdlib_module_names) | {CORE, VENDORED, "__future__"}
+    names -= set(sys.stdlib_module_names) | {CORE, VENDORED, INSTALLED, "__future__"}
     pips = {PIP_OF_IMPORT.get(n, n).lower().replace("_", "-") for n in names} - set(NEVER_REQUIRED)
     return _in_order(pips)
 
@@ -469,12 +514,14 @@ def _in_order(pips: set[str]) -> list[str]:
     return sorted(pips, key=lambda p: (order.index(p) if p in order else len(order), p))
 
 
-def requirements_text(packages: list[str], recipes: list[str]) -> bytes:
+def requirements_text(packages: list[str], recipes: list[str], vendor: bool = True) -> bytes:
     pinned = _pinned()
     head = (ROOT / "requirements.txt").read_text().splitlines()
     comment = [line for line in head[:1] if line.startswith("#")]
     lines = [*comment, f"# What {', '.join(recipes)} and {VENDORED}/ import (written by {COMMAND})."]
     lines += [pinned.get(p, f"{p}  # not pinned in the recipes' requirements.txt") for p in packages]
+    if not vendor:  # editable: the copy runs the checkout's core as it is, as the recipes there do
+        lines += [f"# The recipes' core, {INSTALLED}: the checkout this was copied from.", LIBRARY_LINE]
     return ("\n".join(lines) + "\n").encode()
 
 
@@ -483,7 +530,7 @@ def _requirements_of(data: bytes) -> tuple[list[str], list[str]]:
     text = data.decode(errors="replace")
     m = re.search(r"^# What (.+) and " + re.escape(VENDORED), text, re.M)
     recipes = [r.strip() for r in m.group(1).split(",")] if m else []
-    return [_pip_name(line) for line in text.splitlines() if line.strip() and not line.startswith("#")], recipes
+    return [_pip_name(line) for line in text.splitlines() if line.strip() and not line.startswith(("#", "-"))], recipes
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -505,6 +552,7 @@ class Copy:
     kept: dict[str, str] = field(default_factory=dict)  # edited file left as it is -> where the fresh copy went
     backups: dict[str, str] = field(default_factory=dict)  # edited file replaced (--force) -> where the edit is kept
     tasks: list[str] = field(default_factory=list)  # the task modules it carries (shared/tasks/)
+    vendor: bool = False  # the whole core copied (--vendor), not imported from the installed accelerate_recipes
 
     @property
     def readme(self) -> str:
@@ -524,6 +572,15 @@ def _manifest(dest: Path) -> dict[str, dict]:
         return json.loads((dest / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError):
         return {}
+
+
+def _vendored(dest: Path) -> bool | None:
+    """Whether DEST holds a --vendor copy (True), a linked one (False) or none this command wrote (None)."""
+    try:
+        data = json.loads((dest / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return bool(data.get("vendor", True)) if isinstance(data, dict) else None  # copies before linked ones: vendored
 
 
 def _ours(dest: Path, rel: str, manifest: dict[str, dict], recipe: str | None = None) -> bool:
@@ -575,9 +632,20 @@ def _readme(c: Copy, doc: str, core_files: list[str]) -> bytes:
         least = min(_processes(ROOT / c.files[g][1]) for g in gpu)
         notes.append(f"On a CPU-only machine the lines above run over gloo, with the processes they name ({least} at "
                      "the least for this recipe), each holding its part of the model in memory.")
-    rows = [f"| `{c.recipe}.py` | `{c.files[c.recipe + '.py'][1]}`, its imports of `{CORE}` renamed `{VENDORED}` |",
-            f"| `{VENDORED}/` | `{CORE}/`, {'unchanged' if not c.rewritten_core else 'imports renamed'}: "
-            f"{', '.join(f'`{f}`' for f in core_files)} (the modules this recipe imports, and theirs) |"]
+    if c.vendor:
+        rows = [f"| `{c.recipe}.py` | `{c.files[c.recipe + '.py'][1]}`, its imports of `{CORE}` renamed `{VENDORED}` |",
+                f"| `{VENDORED}/` | `{CORE}/`, {'unchanged' if not c.rewritten_core else 'imports renamed'}: "
+                f"{', '.join(f'`{f}`' for f in core_files)} (the modules this recipe imports, and theirs) |"]
+        origin = (f"It needs only the pip packages below, not the repository; `{VENDORED}/` is the recipes' core, "
+                  "vendored under a name of its own.")
+    else:
+        rows = [f"| `{c.recipe}.py` | `{c.files[c.recipe + '.py'][1]}`, its imports of `{CORE}` renamed `{INSTALLED}` "
+                f"(the installed core) and `{VENDORED}` (its task modules) |",
+                f"| `{VENDORED}/` | `{CORE}/`: {', '.join(f'`{f}`' for f in core_files)}, their imports of the core "
+                f"made imports of `{INSTALLED}` |"]
+        origin = (f"It imports the recipes' core as `{INSTALLED}`, installed from the checkout it was copied from "
+                  f"(the last line of `{c.requirements}`; edit it if that checkout moves). `{VENDORED}/` holds what "
+                  f"you change. For a folder that needs no install of the core, copy with `--vendor`.")
     rows += [f"| `{rel}` | `{src}` |" for rel, (_, src) in c.files.items() if rel.startswith("accelerate_configs/")]
     rows += [f"| `{c.requirements}` | the pinned lines of the recipes' `requirements.txt` for what the files above "
              "import |"]
@@ -585,8 +653,7 @@ def _readme(c: Copy, doc: str, core_files: list[str]) -> bytes:
 
 {first}
 
-Copied from the efficient-training recipes (`{COMMAND} {c.recipe} DEST`). It needs only the pip packages
-below, not the repository; `{VENDORED}/` is the recipes' core, vendored under a name of its own.
+Copied from the efficient-training recipes (`{COMMAND} {c.recipe} DEST`). {origin}
 
 ```bash
 pip install -r {c.requirements}
@@ -600,7 +667,8 @@ from any other directory.
 
 The model, the data, the loss and the metrics you change first are in the task module it carries:
 {", ".join(f"`{VENDORED}/tasks/{t.replace('-', '_')}.py` (--task {t})" for t in c.tasks)}. Another task: copy again
-with `{COMMAND} {c.recipe} DEST --task NAME` (text-classification, causal-lm, image-classification, sft).
+with `{COMMAND} {c.recipe} DEST --task NAME`{' --vendor' if c.vendor else ''} (text-classification, causal-lm,
+image-classification, sft).
 
 | file | from |
 |---|---|
@@ -613,23 +681,36 @@ def _lines(data: bytes) -> int:
     return len(data.decode(errors="replace").splitlines())
 
 
-def plan_copy(recipe_path: Path, dest: Path, tasks: list[str] | None = None) -> Copy:
+def plan_copy(recipe_path: Path, dest: Path, tasks: list[str] | None = None, vendor: bool = False) -> Copy:
     """Everything to write, decided before anything is written. `tasks`: the task modules to carry (unset: the
-    recipe's default task's; "all": every task)."""
+    recipe's default task's; "all": every task). `vendor`: the whole core too (else it is imported, installed)."""
     recipe = recipe_path.stem
     text = recipe_path.read_bytes().decode()
     tree = ast.parse(text)
-    c = Copy(recipe, dest)
+    c = Copy(recipe, dest, vendor=vendor)
+    there = _vendored(dest)
+    if there is not None and there != vendor:  # one core per folder: a task module cannot import both
+        raise SystemExit(f"Nothing written: {dest} holds a {'--vendor' if there else 'linked'} copy, and a "
+                         f"{'--vendor' if vendor else 'linked'} one would change its {VENDORED}/. Copy "
+                         f"{'with' if there else 'without'} --vendor, or choose another DEST.")
     tasks = TASKS if tasks and "all" in tasks else tuple(dict.fromkeys(tasks or [default_task(tree)]))
     c.tasks = list(tasks)
     origin = str(recipe_path.relative_to(ROOT)) if recipe_path.is_relative_to(ROOT) else str(recipe_path)
-    c.files[f"{recipe}.py"] = (rewrite_recipe(text, recipe).encode(), origin)
+    c.files[f"{recipe}.py"] = (rewrite_recipe(text, recipe, new=VENDORED if vendor else INSTALLED).encode(), origin)
 
-    core_files = []
-    for _, path in sorted(core_closure(tree, origin, tasks).items()):
+    core_files, sources = [], []
+    for parts, path in sorted(core_closure(tree, origin, tasks).items()):
         rel = path.relative_to(CORE_DIR).as_posix()
         data = path.read_bytes()
-        if _imports_core(data):  # an absolute `shared.` import inside the core would leave DEST
+        sources.append(data)
+        if not vendor and parts[:1] != ("tasks",):  # a linked copy imports it from the installed core
+            if parts == ():
+                c.files[f"{VENDORED}/__init__.py"] = (LINKED_TOP, f"written by {COMMAND}")
+            continue
+        if not vendor:
+            package = parts if path.name == "__init__.py" else parts[:-1]
+            data = rewrite_task_module(data.decode(), package).encode()
+        elif _imports_core(data):  # an absolute `shared.` import inside the core would leave DEST
             data = rewrite_imports(data.decode()).encode()
             c.rewritten_core.append(rel)
         c.files[f"{VENDORED}/{rel}"] = (data, f"{CORE}/{rel}")
@@ -645,7 +726,8 @@ def plan_copy(recipe_path: Path, dest: Path, tasks: list[str] | None = None) -> 
             c.configs.append(rel)
 
     manifest = _manifest(dest)
-    packages = needed_packages([data for rel, (data, _) in c.files.items() if rel.endswith(".py")], configs + extra)
+    # What the files import, the installed core's included: the pins that core was tested with.
+    packages = needed_packages([c.files[f"{recipe}.py"][0], *sources], configs + extra)
     recipes = [recipe]
     # A requirements file of the user's stays theirs; one this command wrote (unedited) gets what this recipe adds.
     for req in ("requirements.txt", "requirements-recipes.txt", f"requirements-{recipe}.txt"):
@@ -656,7 +738,7 @@ def plan_copy(recipe_path: Path, dest: Path, tasks: list[str] | None = None) -> 
             recipes = [*dict.fromkeys([*recipes, recipe])]
             packages = _in_order(set(had) | set(packages))
             break
-    c.files[req] = (requirements_text(packages, recipes), "requirements.txt")
+    c.files[req] = (requirements_text(packages, recipes, vendor), "requirements.txt")
     readme = "README.md"
     if (dest / readme).exists() and not _ours(dest, readme, manifest, recipe):
         readme = f"README_{recipe}.md"
@@ -727,22 +809,24 @@ def write_copy(c: Copy, force: bool = False) -> Copy:
             path.write_bytes(data)
             c.written.append(rel)
         manifest[rel] = entry
-    (dest / MANIFEST).write_text(json.dumps({"files": manifest}, indent=2) + "\n")
+    (dest / MANIFEST).write_text(json.dumps({"vendor": c.vendor, "files": manifest}, indent=2) + "\n")
     return c
 
 
-def copy_recipe(recipe: str, dest: str | Path, force: bool = False, tasks: list[str] | None = None) -> Copy:
+def copy_recipe(recipe: str, dest: str | Path, force: bool = False, tasks: list[str] | None = None,
+                vendor: bool = False) -> Copy:
     recipe_path = resolve_recipe(recipe)
     dest = Path(dest).expanduser().resolve()
     # Into the repository's root or its recipes/, shared/ or configs, the copy would overwrite the originals.
     if dest == ROOT or any(dest.is_relative_to(d) for d in (CORE_DIR, RECIPES, ROOT / "accelerate_configs")):
         raise SystemExit(f"DEST {dest} is the repository's own; choose a folder of your project.")
-    return write_copy(plan_copy(recipe_path, dest, tasks), force)
+    return write_copy(plan_copy(recipe_path, dest, tasks, vendor), force)
 
 
 def summary(c: Copy) -> str:
     core = sorted(r.removeprefix(f"{VENDORED}/") for r in c.files if r.startswith(f"{VENDORED}/"))
-    lines = [f"Copied {c.recipe} to {c.dest} ({len(c.written)} files written, {len(c.unchanged)} unchanged):",
+    how = "its core vendored" if c.vendor else f"the rest of the core imported from the installed {INSTALLED}"
+    lines = [f"Copied {c.recipe} to {c.dest} ({len(c.written)} files written, {len(c.unchanged)} unchanged; {how}):",
              f"  {c.recipe}.py", f"  {VENDORED}/: {' '.join(core)}",
              f"  tasks: {', '.join(c.tasks)} (--task NAME adds another: {', '.join(TASKS)})"]
     configs = [r.removeprefix("accelerate_configs/") for r in c.files if r.startswith("accelerate_configs/")]
@@ -765,26 +849,61 @@ def summary(c: Copy) -> str:
     return "\n".join(lines)
 
 
-def copied_lines() -> dict[str, tuple[int, int, int]]:
-    """recipe -> lines of its copied recipe file, of the copied spine (recipe_core/ but its techniques/) and of the
-    copied technique modules, as the copy command writes them (docs/layout.md's table of what a copy weighs)."""
+def core_lines(c: Copy, part: str = "") -> int:
+    """Non-blank lines of what a copy carries under recipe_core/`part` (the measure the copied-lines caps hold)."""
+    return sum(1 for rel, (data, _) in c.files.items() if rel.startswith(f"{VENDORED}/{part}")
+               for line in data.decode(errors="replace").splitlines() if line.strip())
+
+
+def copied_lines() -> dict[str, tuple[int, int, int, int]]:
+    """recipe -> non-blank lines of its copied recipe file and of recipe_core/ as `cp RECIPE DEST` writes it (the
+    task module); with --vendor, of the spine (core/ and the task) and of the technique modules (docs/layout.md)."""
     import tempfile
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:  # an empty DEST: nothing of a user's changes the plan
         for recipe in recipe_names():
-            c = plan_copy(resolve_recipe(recipe), Path(tmp) / recipe)
-            core = {rel: _lines(data) for rel, (data, _) in c.files.items() if rel.startswith(f"{VENDORED}/")}
-            techniques = sum(n for rel, n in core.items() if rel.startswith(f"{VENDORED}/techniques/"))
-            out[recipe] = (_lines(c.files[f"{recipe}.py"][0]), sum(core.values()) - techniques, techniques)
+            linked = plan_copy(resolve_recipe(recipe), Path(tmp) / recipe)
+            full = plan_copy(resolve_recipe(recipe), Path(tmp) / recipe, vendor=True)
+            techniques = core_lines(full, "techniques/")
+            own = sum(1 for line in linked.files[f"{recipe}.py"][0].decode().splitlines() if line.strip())
+            out[recipe] = (own, core_lines(linked), core_lines(full) - techniques, techniques)
     return out
 
 
-def lines_table() -> str:
+def lines_table(lines: dict[str, tuple[int, int, int, int]] | None = None) -> str:
     """docs/layout.md's table of copied lines, as markdown."""
-    rows = ["| recipe | recipe | spine (`core/` and its task) | techniques | in all |", "|---|---:|---:|---:|---:|"]
-    rows += [f"| `{r}` | {a} | {b} | {c} | {a + b + c} |" for r, (a, b, c) in copied_lines().items()]
+    rows = ["| recipe | recipe | `cp` (its task module) | `cp --vendor`: spine | `--vendor`: techniques |",
+            "|---|---:|---:|---:|---:|"]
+    rows += [f"| `{r}` | {a} | {b} | {c} | {d} |" for r, (a, b, c, d) in (lines or copied_lines()).items()]
     return "\n".join(rows)
+
+
+def fresh_tables(lines: dict[str, tuple[int, int, int, int]] | None = None) -> dict[Path, str]:
+    """docs/layout.md with its copied-lines table, and README.md with its recipe table's `copy` column (recipe + task
+    module, as `cp RECIPE DEST` writes them), as they should read."""
+    lines = lines or copied_lines()
+    layout, readme = ROOT / "docs" / "layout.md", ROOT / "README.md"
+    head, rest = layout.read_text().split("<!-- copied-lines -->\n", 1)
+    tail = rest.split("<!-- /copied-lines -->", 1)[1]
+    rows = readme.read_text().splitlines()
+    for i, row in enumerate(rows):
+        m = re.match(r"\| `(\w+)` \|(.*)\| [^|]* \|$", row)
+        if m and m.group(1) in lines:
+            own, task = lines[m.group(1)][:2]
+            rows[i] = f"| `{m.group(1)}` |{m.group(2)}| {own} + {task} |"
+    return {layout: f"{head}<!-- copied-lines -->\n{lines_table(lines)}\n<!-- /copied-lines -->{tail}",
+            readme: "\n".join(rows) + "\n"}
+
+
+def write_tables() -> list[str]:
+    """Refresh the two tables of fresh_tables; the files it changed."""
+    changed = []
+    for path, text in fresh_tables().items():
+        if path.read_text() != text:
+            path.write_text(text)
+            changed.append(str(path.relative_to(ROOT)))
+    return changed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -793,19 +912,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("recipe", nargs="?", help=f"A recipe name ({', '.join(recipe_names()[:3])}, ...) or a recipe file.")
     p.add_argument("dest", nargs="?", help="The folder to write (created if missing).")
     p.add_argument("--lines", action="store_true", help="Print the lines each recipe's copy carries, and stop.")
+    p.add_argument("--write", action="store_true", help="With --lines: refresh docs/layout.md's and README.md's.")
     p.add_argument("--task", action="append", choices=(*TASKS, "all"), default=None,
                    help="A task module to carry (repeatable; all: every one). Unset: the recipe's default task's.")
+    p.add_argument("--vendor", action="store_true",
+                   help=f"Copy the whole core as {VENDORED}/ (a folder that runs without this checkout installed). "
+                        f"Unset: only the recipe and its task modules; the rest is imported from {INSTALLED}.")
     p.add_argument("--force", action="store_true",
                    help="Replace DEST/<recipe>.py and the files this command wrote before even if edited since; "
                         "each edited file is kept beside as FILE.orig. Without it an edited file stays as it is and "
                         "the fresh copy goes beside it as FILE.new.")
     args = p.parse_args(argv)
     if args.lines:
-        print(lines_table())
+        print(lines_table() if not args.write else "\n".join(write_tables()) or "unchanged")
         return 0
     if not (args.recipe and args.dest):
         p.error("name a RECIPE and a DEST folder (or --lines)")
-    print(summary(copy_recipe(args.recipe, args.dest, args.force, args.task)))
+    print(summary(copy_recipe(args.recipe, args.dest, args.force, args.task, args.vendor)))
     return 0
 
 
