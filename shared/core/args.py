@@ -375,6 +375,14 @@ def task_module(name: str, recipe: str = "", why: str = "", task: str = ""):
     try:
         return importlib.import_module(f"{package}.tasks.{module}")
     except ModuleNotFoundError as err:
+        own = __package__.rsplit(".", 1)[0]
+        if package != own and (err.name or "").startswith(f"{package}.") and err.name != f"{package}.tasks.{module}":
+            # A linked copy's task module, edited with an import of the vendored layout (`from ..core import data`).
+            raise InputError(f"{package}/tasks/{module}.py (or a module it imports) imports {err.name}, which this "
+                             "copy does not carry: a copy made without --vendor holds its task modules alone and "
+                             f"imports the rest of the core installed. Import {own}{err.name[len(package):]} instead "
+                             f"(`from ..core import data` is `from {own}.core import data` there), or copy the recipe "
+                             "with --vendor.") from None
         if err.name != f"{package}.tasks.{module}":
             raise
         raise InputError(f"{why or '--task ' + name}: this copy carries no {package}/tasks/{module}.py. Copy the "
