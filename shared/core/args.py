@@ -385,9 +385,10 @@ def task_module(name: str, recipe: str = "", why: str = "", task: str = ""):
                              "with --vendor.") from None
         if err.name != f"{package}.tasks.{module}":
             raise
+        vendor = " --vendor" if package == own == "recipe_core" else ""  # its folder takes vendored copies alone
         raise InputError(f"{why or '--task ' + name}: this copy carries no {package}/tasks/{module}.py. Copy the "
                          f"recipe again with it: python -m shared.tools.cp {recipe or Path(sys.argv[0]).stem} DEST "
-                         f"--task {task or name}") from None
+                         f"--task {task or name}{vendor}") from None
 
 
 class _StderrNow(logging.StreamHandler):
