@@ -912,10 +912,75 @@ CASES = [
          "no fp8: it trained in fp32, unsaid)", [], ["mixed precision 'fp8'", "under DeepSpeed",
                                                      "use recipes/fp8.py"], recipe="zero",
          env={"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_DYNAMO_MODE": "default"}),
+    # A chat template's own raise_exception (Mistral's alternation, Gemma's 'System role not supported'), met on a
+    # row the plain exchange check cannot see: a raw jinja2 TemplateError from the encoding before.
+    Case("sft-template-refuses-row", "a chat template that raises on a row (two user turns in a row under a template "
+         "that needs them to alternate): a raw jinja2 TemplateError traceback", ["--task", "sft", "--model_preset",
+                                                                                 "tiny-llama"],
+         ["The chat template refuses the training data's row 11", "Conversation roles must alternate",
+          "merge consecutive turns of one role"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"messages": _CHAT}] * 10 + [{"messages": [_CHAT[0], *_CHAT]}]
+                                                 + [{"messages": _CHAT}] * 10),
+                          "--chat_template", _write(t / "alt.jinja", _RAISING_TEMPLATE)]),
+    Case("sft-template-no-system", "system turns under a template without a system role (Gemma's): a raw jinja2 "
+         "TemplateError traceback", ["--task", "sft", "--model_preset", "tiny-llama"],
+         ["refuses the training data's row 1, 2, 3, 4, 5 and 13 more", "System role not supported",
+          "fold a system turn into the first user turn"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"messages": [{"role": "system", "content": "be brief"}, *_CHAT]}]
+                                                 * 20),
+                          "--chat_template", _write(t / "nosys.jinja", _NO_SYSTEM_TEMPLATE)]),
+    Case("lm-head-missing", "a causal LM checkpoint without lm_head.weight and tie_word_embeddings false (a random "
+         "head trained, unsaid)", ["--task", "causal-lm", "--max_seq_length", "32"],
+         ["the language-model head 'lm_head.weight' is not in its checkpoint", "tie_word_embeddings: False",
+          "set \"tie_word_embeddings\": true in config.json"],
+         setup=lambda t: ["--model_name_or_path", _headless_decoder(t)]),
+    Case("label-column-for-causal-lm", "--label_column for a causal LM (ignored: it trained on the text alone)",
+         ["--task", "causal-lm", "--label_column", "label"],
+         ["--label_column serves --task text-classification and image-classification, not --task causal-lm",
+          "Drop it"], fix=["--task", "causal-lm"]),
+    Case("text-column-for-images", "--text_column for image classification (ignored)",
+         ["--task", "image-classification", "--text_column", "caption"],
+         ["--text_column serves --task text-classification and causal-lm and sft, not --task image-classification",
+          "Drop it"], fix=["--task", "image-classification"]),
+    Case("image-column-for-text", "--image_column for text classification (ignored)", ["--image_column", "img"],
+         ["--image_column serves --task image-classification, not --task text-classification", "Drop it"], fix=[]),
+    Case("mixed-precision-flag-and-config", "--mixed_precision no with a launch config's mixed_precision: bf16 (the "
+         "flag won, the config's bf16 dropped unsaid)", ["--mixed_precision", "no"],
+         ["--mixed_precision no and the launch config's mixed_precision (bf16", "Set it in one place",
+          "drop --mixed_precision to run with bf16"],
+         env={"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_DYNAMO_MODE": "default"}, fix=[],
+         fix_env={"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_DYNAMO_MODE": "default"}),
+    Case("compile-flag-and-config", "--torch_compile full with a launch config's regional compilation (the flag won)",
+         ["--torch_compile", "full"], ["--torch_compile full and the launch config's dynamo_config (regional",
+                                       "Set it in one place"],
+         env={"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "true",
+              "ACCELERATE_DYNAMO_MODE": "default"}),
     Case("overwrite-and-resume", "--overwrite_output_dir with --resume_from_checkpoint latest (the resume won, the "
          "overwrite was dropped unsaid)", ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
          ["they ask for opposite things", "Drop --overwrite_output_dir to train that run on"]),
 ]
+
+
+_RAISING_TEMPLATE = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+                     "{% endif %}{{ '<' + m['role'] + '>' + m['content'] + eos_token }}{% endfor %}"
+                     "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}")
+_NO_SYSTEM_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                       "supported') }}{% endif %}{{ '<' + m['role'] + '>' + m['content'] + eos_token }}{% endfor %}"
+                       "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}")
+
+
+def _headless_decoder(tmp: Path) -> Path:
+    """A Mistral-style causal LM (untied head) whose export left lm_head.weight out of model.safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.shipped_models import make_dir
+
+    path = make_dir(tmp, "mistral")
+    weights = load_file(path / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
 
 
 def _edited_config(path: Path, **keys: object) -> Path:

@@ -241,17 +241,27 @@ def build_model(args: argparse.Namespace, config: PretrainedConfig) -> nn.Module
                 args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code,
                 ignore_mismatched_sizes=getattr(args, "ignore_mismatched_sizes", False), output_loading_info=True,
                 dtype=dtype, **attn)
-        check_loaded(args.model_name_or_path, model, info)
+        check_loaded(args.model_name_or_path, model, info, lm_head=args.task == "causal-lm")
         return model
     return auto.from_config(config, dtype=dtype, **attn)
 
 
-def check_loaded(name: str, model: nn.Module, info: dict) -> None:
+def check_loaded(name: str, model: nn.Module, info: dict, lm_head: bool = False) -> None:
     """Weights of the model's body that the checkpoint lacks would train from random values while the run reports
     fine-tuning `name` (a config.json whose model_type or sizes were edited, weights of another model): refused.
     Outside the body (a new task head: classifier, score, DistilBERT's pre_classifier) and a pooler, missing weights
-    are expected: they are what fine-tuning a classifier starts from random."""
+    are expected: they are what fine-tuning a classifier starts from random. A causal LM's head (`lm_head`) is not
+    new: a checkpoint without it, whose config.json does not tie it to the embedding, would train a random head."""
     body = getattr(model, "base_model_prefix", "") + "."
+    head = model.get_output_embeddings() if lm_head else None
+    head_name = next((n + "." for n, m in model.named_modules() if m is head and n), None)
+    if head_name and (lost := [k for k in info.get("missing_keys", []) if k.startswith(head_name)]):
+        raise InputError(f"--model_name_or_path {name!r}: the language-model head {lost[0]!r} is not in its "
+                         "checkpoint, and config.json does not tie it to the input embedding (tie_word_embeddings: "
+                         f"{getattr(model.config, 'tie_word_embeddings', None)}): the run would "
+                         "fine-tune a randomly initialised head. If the model ties its head to the embedding (Qwen2.5,"
+                         " Llama 3.2 1B, Gemma), set \"tie_word_embeddings\": true in config.json; else copy the "
+                         "checkpoint again with its lm_head weights.")
     missing = [k for k in info.get("missing_keys", []) if k.startswith(body) and ".pooler." not in k]
     if missing:
         total = sum(1 for _ in model.state_dict())

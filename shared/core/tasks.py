@@ -159,9 +159,6 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
     # A mixture of experts whose task class drops its router loss: refused by the rule table, before the data is read
     rules.check_built(launch.recipe, task=args.task, no_router_loss=models.router_loss_missing(config, args.task))
     models.check_weights_dtype(args, config, launch.mixed_precision, accelerator.is_main_process)
-    if args.text_pair_column and args.task != "text-classification":
-        raise InputError(f"--text_pair_column serves --task text-classification (sentence pairs), not {args.task}. "
-                         "Drop it, or pass --task text-classification.")
     with accelerator.main_process_first():  # the first process fills the datasets cache, the others reuse it
         # A task module may bring its own built-in data (sft.py's): else data.py's, files or the hub
         train_raw, val_raw, source = getattr(module, "load_raw_splits", data.load_raw_splits)(args)

@@ -303,9 +303,15 @@ class Encoder:
 
     def all(self, rows: list[dict], name: str, refuse_long_prompts: bool) -> tuple[list[dict], dict[str, int]]:
         """The samples, and the rows dropped by reason. A training prompt that alone fills max_len is refused."""
-        out, dropped, long = [], {}, []
+        from jinja2 import TemplateError
+
+        out, dropped, long, refused = [], {}, [], {}
         for row in rows:
-            ids, target = self.encode(row)
+            try:
+                ids, target = self.encode(row)
+            except TemplateError as err:  # raise_exception(...) in the template: roles must alternate, no system ...
+                refused.setdefault(f"{type(err).__name__}: {err}", []).append(row["row"])
+                continue
             if self.everything:
                 target = [True] * len(ids)
             first = next((i for i, t in enumerate(target) if t and i > 0), None)
@@ -318,6 +324,11 @@ class Encoder:
                 dropped[reason] = dropped.get(reason, 0) + 1
                 continue
             out.append({"input_ids": ids, "labels": labels, "truncated": len(target) > self.max_len})
+        if refused:  # the template's own words, with the rows: one refusal for every row, before any step
+            raise InputError(f"The chat template refuses the {name} data's " + "; ".join(
+                f"row {_rows_named(sorted(ix))} ({why})" for why, ix in refused.items()) + ". Rows are counted from 1. Fix "
+                "those rows as the template asks (merge consecutive turns of one role; fold a system turn into the "
+                "first user turn), or pass --chat_template FILE with a template that accepts them.")
         if long and refuse_long_prompts:
             rows_, need = [r for r, _ in long], max(n for _, n in long) + 1
             raise InputError(f"The {name} data's row {_rows_named(rows_)}: the prompt alone fills --max_seq_length "
