@@ -924,7 +924,7 @@ CASES = [
                           "--chat_template", _write(t / "alt.jinja", _RAISING_TEMPLATE)]),
     Case("sft-template-no-system", "system turns under a template without a system role (Gemma's): a raw jinja2 "
          "TemplateError traceback", ["--task", "sft", "--model_preset", "tiny-llama"],
-         ["refuses the training data's row 1, 2, 3, 4, 5 and 13 more", "System role not supported",
+         ["refuses the training data's row 1, 2, 3, 4, 7 and 13 more", "System role not supported",
           "fold a system turn into the first user turn"],
          setup=lambda t: ["--train_file", _jsonl(t, [{"messages": [{"role": "system", "content": "be brief"}, *_CHAT]}]
                                                  * 20),
@@ -1355,6 +1355,21 @@ def test_refusal_under_launch_is_shown_once_at_the_end(tmp_path):
     assert "Root Cause" in printed and "rank      : 0" in printed
     assert "The same refusal as local rank 0" in printed  # the second process, pointing to the first
     assert "train:" not in printed
+
+
+def test_a_damaged_results_json_is_written_again_on_resume(tmp_path, caplog):
+    """A finished run's results.json cut short (a full disk, a partial copy of the run dir): the resume took it for a
+    finished run's record, said 'its results are left as they are' and kept the damaged file. It is no record: the
+    resume evaluates the final checkpoint and writes results.json again."""
+    from tests.conftest import run_recipe
+
+    flags = ("--max_train_steps", 2, "--checkpointing_steps", 2, "--max_eval_samples", 16, "--no_save_model")
+    first = run_recipe("baseline", tmp_path / "out", *flags)
+    results = tmp_path / "out" / "results.json"
+    results.write_text(results.read_text()[:40])  # cut mid-record
+    again = run_recipe("baseline", tmp_path / "out", *flags, "--resume_from_checkpoint", "latest")
+    assert again["eval_accuracy"] == first["eval_accuracy"]  # the same final weights, evaluated again
+    assert "cannot be read as the run's results" in caplog.text and "left as they are" not in caplog.text
 
 
 def test_a_failure_after_training_keeps_the_trained_model(tmp_path, monkeypatch):
