@@ -955,6 +955,16 @@ CASES = [
                                        "Set it in one place"],
          env={"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "true",
               "ACCELERATE_DYNAMO_MODE": "default"}),
+    Case("deepspeed-json-misspelled-block", "a DeepSpeed JSON's \"zero_optimisation\" (DeepSpeed ignores keys it does "
+         "not read: it trained without ZeRO, unsaid)", [],
+         ['"zero_optimisation" is not a key DeepSpeed reads (did you mean "zero_optimization"?)', "Fix the spelling"],
+         recipe="zero", setup=lambda t: ["--deepspeed_config", _write(t / "ds.json", __import__("json").dumps({
+             "train_micro_batch_size_per_gpu": "auto", "zero_optimisation": {"stage": 2}}))]),
+    Case("deepspeed-json-unknown-zero-key", "a key zero_optimization does not have (overlap_com): a raw pydantic "
+         "ValidationError from deepspeed.initialize in prepare()", [],
+         ["zero_optimization.overlap_com: Extra inputs are not permitted (did you mean \"overlap_comm\"?)",
+          "Fix or remove those keys"], recipe="zero",
+         setup=lambda t: ["--deepspeed_config", _ds_json(t, zero_optimization={"stage": 2, "overlap_com": True})]),
     Case("overwrite-and-resume", "--overwrite_output_dir with --resume_from_checkpoint latest (the resume won, the "
          "overwrite was dropped unsaid)", ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
          ["they ask for opposite things", "Drop --overwrite_output_dir to train that run on"]),

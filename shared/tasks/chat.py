@@ -325,10 +325,11 @@ class Encoder:
                 continue
             out.append({"input_ids": ids, "labels": labels, "truncated": len(target) > self.max_len})
         if refused:  # the template's own words, with the rows: one refusal for every row, before any step
-            raise InputError(f"The chat template refuses the {name} data's " + "; ".join(
-                f"row {_rows_named(sorted(ix))} ({why})" for why, ix in refused.items()) + ". Rows are counted from 1. Fix "
-                "those rows as the template asks (merge consecutive turns of one role; fold a system turn into the "
-                "first user turn), or pass --chat_template FILE with a template that accepts them.")
+            said = "; ".join(f"row {_rows_named(sorted(ix))} ({why})" for why, ix in refused.items())
+            raise InputError(f"The chat template refuses the {name} data's {said}. Rows are counted from 1. Fix "
+                             "those rows as the template asks (merge consecutive turns of one role; fold a system "
+                             "turn into the first user turn), or pass --chat_template FILE with a template that "
+                             "accepts them.")
         if long and refuse_long_prompts:
             rows_, need = [r for r, _ in long], max(n for _, n in long) + 1
             raise InputError(f"The {name} data's row {_rows_named(rows_)}: the prompt alone fills --max_seq_length "
