@@ -176,6 +176,12 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
     packed = task.packing != "none"
     if n_train == 0:
         raise InputError(NO_EXAMPLES.format(source=source))
+    if len(task.eval_dataloader.dataset) == 0:  # evaluation of nothing: a loss of 0 and a perplexity of 1, reported
+        where = args.validation_file or args.validation_dir or "held out from the training data"
+        raise InputError(f"The validation data ({where}) has no sample left to evaluate: every row was dropped (a "
+                         f"prompt that alone fills --max_seq_length {args.max_seq_length}, or text shorter than one "
+                         "block), and the run would report the evaluation of nothing (a loss of 0). Raise "
+                         "--max_seq_length, or pass a --validation_file with rows that fit.")
     check_vocabulary(task, args)
     task.report = datareport.build_report(task, args, source)
     datareport.emit(task.report, accelerator, launch.output_dir)  # printed and saved before the first step
