@@ -965,10 +965,10 @@ CASES = [
          ["zero_optimization.overlap_com: Extra inputs are not permitted (did you mean \"overlap_comm\"?)",
           "Fix or remove those keys"], recipe="zero",
          setup=lambda t: ["--deepspeed_config", _ds_json(t, zero_optimization={"stage": 2, "overlap_com": True})]),
-    Case("sft-validation-all-dropped", "sft validation conversations whose prompts all fill --max_seq_length (every one "
-         "dropped: eval_loss 0.0 and perplexity 1.0 reported)", ["--task", "sft", "--model_preset", "tiny-llama",
-                                                                  "--max_seq_length", "16",
-                                                                  "--per_device_train_batch_size", "2"],
+    Case("sft-validation-all-dropped", "sft validation conversations whose prompts all fill --max_seq_length (each "
+         "dropped: eval_loss 0.0 and perplexity 1.0 reported)",
+         ["--task", "sft", "--model_preset", "tiny-llama", "--max_seq_length", "16", "--per_device_train_batch_size",
+          "2"],
          ["The validation data (", "has no sample left to evaluate", "a loss of 0", "Raise --max_seq_length"],
          setup=lambda t: ["--train_file", _jsonl(t, [{"messages": _CHAT}] * 40), "--validation_file", _jsonl(
              t, [{"messages": [{"role": "user", "content": " ".join(["a"] * 40)}, _CHAT[1]]}] * 4, name="v.jsonl")]),
