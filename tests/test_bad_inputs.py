@@ -972,6 +972,10 @@ CASES = [
          ["The validation data (", "has no sample left to evaluate", "a loss of 0", "Raise --max_seq_length"],
          setup=lambda t: ["--train_file", _jsonl(t, [{"messages": _CHAT}] * 40), "--validation_file", _jsonl(
              t, [{"messages": [{"role": "user", "content": " ".join(["a"] * 40)}, _CHAT[1]]}] * 4, name="v.jsonl")]),
+    Case("moe-top-k-beyond-experts", "a Mixtral config.json routing each token to 8 of its 4 experts (a raw "
+         "torch.topk 'selected index k out of range' at the first step)", ["--task", "causal-lm"],
+         ["config.json routes each token to num_experts_per_tok 8 experts of the model's 4",
+          "Set num_experts_per_tok between 1 and 4"], setup=lambda t: ["--model_name_or_path", _moe_config_dir(t)]),
     Case("overwrite-and-resume", "--overwrite_output_dir with --resume_from_checkpoint latest (the resume won, the "
          "overwrite was dropped unsaid)", ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
          ["they ask for opposite things", "Drop --overwrite_output_dir to train that run on"]),
@@ -985,6 +989,20 @@ _RAISING_TEMPLATE = ("{% for m in messages %}{% if (m['role'] == 'user') != (loo
 _NO_SYSTEM_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
                        "supported') }}{% endif %}{{ '<' + m['role'] + '>' + m['content'] + eos_token }}{% endfor %}"
                        "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}")
+
+
+def _moe_config_dir(tmp: Path) -> Path:
+    """A Mixtral directory (config.json and tokenizer; no weights are read before the refusal) with a hand-edited
+    num_experts_per_tok."""
+    from transformers import MixtralConfig
+
+    from shared.core.data import build_word_tokenizer
+
+    path = tmp / "moe"
+    MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=8).save_pretrained(path)
+    build_word_tokenizer(["a b c"], "causal-lm").save_pretrained(path)
+    return path
 
 
 def _headless_decoder(tmp: Path) -> Path:

@@ -182,6 +182,19 @@ def check_positions(config: PretrainedConfig, max_seq_length: int) -> None:
                          f"Pass --max_seq_length {positions} or less.")
 
 
+def check_router(config: PretrainedConfig, name: str) -> None:
+    """A mixture of experts whose config routes each token to more experts than it has (or to none): the first
+    forward failed in torch.topk ('selected index k out of range'), after the data was read and the model built."""
+    experts = next((v for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if isinstance(v := getattr(config, k, None), int) and v > 0), None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if experts and isinstance(top_k, int) and not 1 <= top_k <= experts:
+        raise InputError(f"{name}: config.json routes each token to num_experts_per_tok {top_k} experts of the "
+                         f"model's {experts}: the first forward would fail (torch.topk) or route nothing. Set "
+                         f"num_experts_per_tok between 1 and {experts}: the value the checkpoint was trained with "
+                         "(Mixtral: 2).")
+
+
 def weights_dtype(args: argparse.Namespace, config: PretrainedConfig) -> torch.dtype:
     """The dtype the weights train in (--weights_dtype): fp32 (a bf16 checkpoint upcast: fp32 master weights), bf16,
     or auto: the dtype the config says the weights are stored in (transformers' dtype="auto"; none given: fp32)."""

@@ -156,6 +156,7 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
     # read and tokenized (the preset's positions are those of the model built later).
     config = models.model_config(args)
     models.check_positions(config, args.max_seq_length)
+    models.check_router(config, models.model_source(args))
     # A mixture of experts whose task class drops its router loss: refused by the rule table, before the data is read
     rules.check_built(launch.recipe, task=args.task, no_router_loss=models.router_loss_missing(config, args.task))
     models.check_weights_dtype(args, config, launch.mixed_precision, accelerator.is_main_process)
