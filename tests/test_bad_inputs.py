@@ -976,6 +976,17 @@ CASES = [
          "torch.topk 'selected index k out of range' at the first step)", ["--task", "causal-lm"],
          ["config.json routes each token to num_experts_per_tok 8 experts of the model's 4",
           "Set num_experts_per_tok between 1 and 4"], setup=lambda t: ["--model_name_or_path", _moe_config_dir(t)]),
+    Case("model-beside-adapter", "a whole model folder that also holds adapter_config.json (a merge saved over the "
+         "adapter's folder): called 'LoRA weights only, not a whole model'", ["--max_seq_length", "32"],
+         ["holds a whole model and a PEFT adapter", "Move adapter_config.json and adapter_model.* out of it"],
+         setup=lambda t: ["--model_name_or_path", _with_adapter_config(_classifier_dir(t, labels=2)),
+                          "--train_file", _table(t)]),
+    Case("sft-developer-role", "OpenAI messages with the 'developer' role (the system prompt's newer name): 'a role "
+         "other than system, user, assistant: map it to one of them'", ["--task", "sft", "--model_preset",
+                                                                         "tiny-llama"],
+         ["holds OpenAI's 'developer' role", "rename it to system"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"messages": [{"role": "developer", "content": "be brief"},
+                                                                   *_CHAT]}] * 20)]),
     Case("overwrite-and-resume", "--overwrite_output_dir with --resume_from_checkpoint latest (the resume won, the "
          "overwrite was dropped unsaid)", ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
          ["they ask for opposite things", "Drop --overwrite_output_dir to train that run on"]),
@@ -1002,6 +1013,14 @@ def _moe_config_dir(tmp: Path) -> Path:
     MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=8).save_pretrained(path)
     build_word_tokenizer(["a b c"], "causal-lm").save_pretrained(path)
+    return path
+
+
+def _with_adapter_config(path: Path) -> Path:
+    import json
+
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "my-org/base",
+                                                           "r": 8, "target_modules": ["query"]}))
     return path
 
 

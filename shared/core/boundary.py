@@ -110,6 +110,11 @@ def _folder_kind(p: Path, what: str) -> tuple[str, str]:
     adapter = p / "adapter_config.json"
     if adapter.exists() and what != "checkpoint":
         base = _json(adapter).get("base_model_name_or_path")
+        if (p / "config.json").exists() and any((p / w).exists() for w in _WEIGHTS):  # a merged model, left beside
+            return (f"it holds a whole model and a PEFT adapter (adapter_config.json): Transformers would load the "
+                    f"adapter's base{f' ({base!r})' if base else ''} with the adapter, not this folder's model",
+                    "Move adapter_config.json and adapter_model.* out of it to train the folder's model, or pass the "
+                    "adapter's base as --model_name_or_path.")
         return ("a PEFT adapter (LoRA weights only), not a whole model",
                 f"Pass its base model as --model_name_or_path{f' ({base!r})' if base else ''}; to train on from "
                 "the adapter, merge it first: PeftModel.from_pretrained(base, dir).merge_and_unload()"

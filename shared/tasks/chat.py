@@ -106,7 +106,7 @@ def _turn_problem(turn: object) -> str | None:
     if not isinstance(turn.get("role"), str):
         return "no_role"
     if turn["role"] not in ROLES:
-        return "unknown_role"
+        return "developer" if turn["role"] == "developer" else "unknown_role"
     if extra:
         return "extra_keys"
     content = turn.get("content")
@@ -129,6 +129,8 @@ PROBLEMS = {  # key: (what, the fix)
     "no_role": ("holds a turn without a string 'role'", "give every turn a role: system, user or assistant"),
     "unknown_role": ("holds a role other than system, user, assistant", "map it to one of them (the template "
                      "would drop or mangle it)"),
+    "developer": ("holds OpenAI's 'developer' role (its newer name for the system prompt), which chat templates do "
+                  "not know", "rename it to system"),
     "tool": ("holds a tool call or a tool turn (tool_calls, role tool/function/ipython)", "remove those turns; tool "
              "use is not trained by this task"),
     "extra_keys": ("holds turn keys other than role and content (name, weight, ...)", "drop them: they would be "
