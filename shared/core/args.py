@@ -262,7 +262,8 @@ def parse_args(
                    type=number(float, low=0, note=" (0: no clipping; a negative norm would flip the gradient)"),
                    help="0 disables clipping.")
     g.add_argument("--mixed_precision", default=None, choices=("no", "fp16", "bf16"),
-                   help="Unset: the accelerate config's value, else the recipe's default.")
+                   help="Unset: the accelerate config's value, else the recipe's default (both set, differently: "
+                   "refused).")
     g.add_argument("--torch_compile", default=None, choices=("regional", "full"),
                    help="torch.compile (inductor) through Accelerate's TorchDynamoPlugin, applied in prepare(). "
                         "regional: each repeated transformer block compiled once and reused (Accelerate's "

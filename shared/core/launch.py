@@ -114,8 +114,9 @@ def resolve_mixed_precision(args: argparse.Namespace, recipe_default: str) -> st
 
 
 def resolve_compile(args: argparse.Namespace) -> str:
-    """none | regional | full: the flag wins, then the accelerate config's dynamo_config (which `accelerate launch`
-    passes as ACCELERATE_DYNAMO_* variables; only the inductor backend is checked here, so others are refused)."""
+    """none | regional | full: the flag, else the accelerate config's dynamo_config (which `accelerate launch`
+    passes as ACCELERATE_DYNAMO_* variables; only the inductor backend is checked here, so others are refused). Both
+    set, differently: refused."""
     backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()
     regional = os.environ.get("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "false").lower() in ("1", "true", "yes")
     if args.torch_compile:
@@ -357,7 +358,7 @@ def start_run(accelerator: Accelerator, launch: Launch) -> None:
                                   f"{launch.output_dir} ({err.strerror or err}: {err.filename}). Free space there "
                                   "or make it writable, pass another --output_dir, or --report_to none.") from None
     if not args.mixed_precision and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") != "no":
-        logger.info("mixed_precision=%s from ACCELERATE_MIXED_PRECISION (the launch config; --mixed_precision wins)",
+        logger.info("mixed_precision=%s from ACCELERATE_MIXED_PRECISION (the launch config)",
                     os.environ["ACCELERATE_MIXED_PRECISION"])
     logger.info(
         "%s: task=%s distributed_type=%s processes=%d device=%s mixed_precision=%s output_dir=%s",
