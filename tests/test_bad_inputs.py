@@ -987,6 +987,11 @@ CASES = [
          ["holds OpenAI's 'developer' role", "rename it to system"],
          setup=lambda t: ["--train_file", _jsonl(t, [{"messages": [{"role": "developer", "content": "be brief"},
                                                                    *_CHAT]}] * 20)]),
+    Case("tokenizer-config-missing", "a model folder with tokenizer.json but no tokenizer_config.json (no eos, bos or "
+         "pad: a causal LM trained on documents run together; sft said 'Pass --chat_template')",
+         ["--task", "causal-lm", "--max_seq_length", "32"],
+         ["the tokenizer loads without special tokens", "the folder has no tokenizer_config.json",
+          "Copy tokenizer_config.json"], setup=lambda t: ["--model_name_or_path", _without_tokenizer_config(t)]),
     Case("overwrite-and-resume", "--overwrite_output_dir with --resume_from_checkpoint latest (the resume won, the "
          "overwrite was dropped unsaid)", ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
          ["they ask for opposite things", "Drop --overwrite_output_dir to train that run on"]),
@@ -1021,6 +1026,16 @@ def _with_adapter_config(path: Path) -> Path:
 
     (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "my-org/base",
                                                            "r": 8, "target_modules": ["query"]}))
+    return path
+
+
+def _without_tokenizer_config(tmp: Path) -> Path:
+    """A decoder folder copied without tokenizer_config.json and special_tokens_map.json (only tokenizer.json)."""
+    from tests.shipped_models import make_dir
+
+    path = make_dir(tmp, "mistral")
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).unlink(missing_ok=True)
     return path
 
 

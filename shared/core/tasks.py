@@ -264,6 +264,13 @@ def tokenizer_for(args, texts: list[str]):
                          "from), or save it there with tokenizer.save_pretrained(dir).")
     with loading("tokenizer", "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path", name):
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    if Path(name).is_dir() and not (Path(name) / "tokenizer_config.json").exists() and not tok.all_special_tokens:
+        # tokenizer.json holds the vocabulary; which token is eos, bos or pad is tokenizer_config.json's to say
+        raise InputError(f"{'--tokenizer_name' if args.tokenizer_name else '--model_name_or_path'} {name!r}: the "
+                         "tokenizer loads without special tokens (no eos, bos or pad: documents would run together "
+                         "and no answer could end), because the folder has no tokenizer_config.json. Copy "
+                         "tokenizer_config.json (and special_tokens_map.json) from where the model came from, or pass "
+                         "--tokenizer_name with the whole tokenizer.")
     if tok.pad_token is None:  # GPT-2 style tokenizers have none; padding is masked out of the loss anyway
         tok.pad_token = tok.eos_token
     return tok
