@@ -992,6 +992,12 @@ CASES = [
          ["--task", "causal-lm", "--max_seq_length", "32"],
          ["the tokenizer loads without special tokens", "the folder has no tokenizer_config.json",
           "Copy tokenizer_config.json"], setup=lambda t: ["--model_name_or_path", _without_tokenizer_config(t)]),
+    Case("config-fewer-layers", "config.json's num_hidden_layers lowered from 2 to 1 (layer 1's weights dropped on "
+         "load: a 1-layer model trained, unsaid)", ["--task", "causal-lm", "--max_seq_length", "32"],
+         ["weights of its checkpoint have no place in the model config.json describes", "model.layers.1.",
+          "Use the config.json saved with these weights"],
+         setup=lambda t: ["--model_name_or_path", _edited_config(__import__("tests.shipped_models").shipped_models
+                                                                  .make_dir(t, "mistral"), num_hidden_layers=1)]),
     Case("overwrite-and-resume", "--overwrite_output_dir with --resume_from_checkpoint latest (the resume won, the "
          "overwrite was dropped unsaid)", ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
          ["they ask for opposite things", "Drop --overwrite_output_dir to train that run on"]),

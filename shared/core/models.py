@@ -276,6 +276,14 @@ def check_loaded(name: str, model: nn.Module, info: dict, lm_head: bool = False)
                          " Llama 3.2 1B, Gemma), set \"tie_word_embeddings\": true in config.json; else copy the "
                          "checkpoint again with its lm_head weights.")
     missing = [k for k in info.get("missing_keys", []) if k.startswith(body) and ".pooler." not in k]
+    # Weights of the body that config.json has no place for (num_hidden_layers lowered, a deeper model's weights):
+    # dropped on load, and a smaller model than the checkpoint trained. A ViTModel's pooler is not used: expected.
+    extra = [k for k in info.get("unexpected_keys", []) if k.startswith(body) and ".pooler." not in k]
+    if extra:
+        raise InputError(f"--model_name_or_path {name!r}: {len(extra)} weights of its checkpoint have no place in "
+                         f"the model config.json describes (e.g. {sorted(extra)[:3]}) and would be dropped: a smaller "
+                         "model than the checkpoint would train (num_hidden_layers or another size edited, or "
+                         "another model's weights). Use the config.json saved with these weights.")
     if missing:
         total = sum(1 for _ in model.state_dict())
         raise InputError(f"--model_name_or_path {name!r}: {len(missing)} of the model's {total} weights are not in "
