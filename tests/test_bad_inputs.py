@@ -998,6 +998,11 @@ CASES = [
           "Use the config.json saved with these weights"],
          setup=lambda t: ["--model_name_or_path", _edited_config(__import__("tests.shipped_models").shipped_models
                                                                   .make_dir(t, "mistral"), num_hidden_layers=1)]),
+    Case("image-paths-relative-to-table", "a csv of image paths written relative to the csv's own folder, run from "
+         "elsewhere: every image called broken ('do not open or decode ... Remove or replace them')",
+         ["--task", "image-classification", "--per_device_train_batch_size", "2"],
+         ["image path(s) in", "are relative ('imgs/a/", "relative to the table's folder", "Run from that folder"],
+         setup=lambda t: ["--train_file", _image_table(t)]),
     Case("overwrite-and-resume", "--overwrite_output_dir with --resume_from_checkpoint latest (the resume won, the "
          "overwrite was dropped unsaid)", ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
          ["they ask for opposite things", "Drop --overwrite_output_dir to train that run on"]),
@@ -1043,6 +1048,13 @@ def _without_tokenizer_config(tmp: Path) -> Path:
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         (path / name).unlink(missing_ok=True)
     return path
+
+
+def _image_table(tmp: Path) -> Path:
+    """images.csv beside imgs/<class>/, its paths relative to its own folder (as HF's metadata.csv writes them)."""
+    _folder(tmp)
+    rows = "".join(f"imgs/{c}/{i}.png,{c}\n" for c in "ab" for i in range(4)) * 3
+    return _write(tmp / "images.csv", "image,label\n" + rows)
 
 
 def _headless_decoder(tmp: Path) -> Path:
