@@ -1003,6 +1003,12 @@ CASES = [
          ["--task", "image-classification", "--per_device_train_batch_size", "2"],
          ["image path(s) in", "are relative ('imgs/a/", "relative to the table's folder", "Run from that folder"],
          setup=lambda t: ["--train_file", _image_table(t)]),
+    Case("config-field-refused", "config.json's rope_scaling {'rope_type': 'yarn'} without its factor (the fix said "
+         "'Pass a directory saved with save_pretrained', which it is)", ["--task", "causal-lm"],
+         ["its config class refuses one of its fields", "Missing required keys", "Fix the field the reason names"],
+         setup=lambda t: ["--model_name_or_path", _edited_config(__import__("tests.shipped_models").shipped_models
+                                                                  .make_dir(t, "mistral"),
+                                                                  rope_scaling={"rope_type": "yarn"})]),
     Case("overwrite-and-resume", "--overwrite_output_dir with --resume_from_checkpoint latest (the resume won, the "
          "overwrite was dropped unsaid)", ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
          ["they ask for opposite things", "Drop --overwrite_output_dir to train that run on"]),

@@ -54,6 +54,11 @@ def explain(what: str, flag: str | None, path: object, err: BaseException | None
         found, fix = ("its weights' shapes differ from the ones config.json describes (a field edited or dropped, "
                       "or the config.json of another model)", "Use the config.json saved with these weights "
                       "(save_pretrained writes both), or the weights of the model that config describes.")
+    if not found and what == "config" and isinstance(err, (KeyError, ValueError, TypeError)) and path is not None \
+            and (Path(str(path)).expanduser() / "config.json").is_file():  # read, then refused by the config's class
+        found, fix = ("config.json is there, and its config class refuses one of its fields (a hand edit, or a "
+                      "field written by another version of Transformers)", "Fix the field the reason names in "
+                      "config.json (or use the config.json saved with these weights).")
     reason = ""
     if err is not None:
         cause = err.__cause__ if isinstance(err, InputError) and err.__cause__ else err
