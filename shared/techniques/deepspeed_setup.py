@@ -361,18 +361,17 @@ def _check_zero_block(config: dict, where: str) -> None:
         problems = "; ".join(f"zero_optimization.{'.'.join(map(str, e['loc']))}: {e['msg']}" + "".join(
             f' (did you mean "{n}"?)' for n in difflib.get_close_matches(str(e["loc"][-1]), names, n=1, cutoff=0.8)
             if e["type"] == "extra_forbidden") for e in err.errors())
-        raise LaunchError(f"{where}: {problems} (DeepSpeed's check of the block). Fix or remove those keys: "
-                          "DeepSpeed's config docs list the zero_optimization keys.") from None
+        raise LaunchError(f"zero_optimization in {where}: {problems} (DeepSpeed's check of the block). Fix or "
+                          "remove those keys: DeepSpeed's config docs list the zero_optimization keys.") from None
 
 
 def _refuse_what_the_loop_cannot_run(config: dict, chosen: dict, json_file: str | None) -> None:
     """JSON settings that change training and that these recipes do not run as written: refused by name."""
     where = f"the DeepSpeed JSON {json_file}" if json_file else "the DeepSpeed settings"
     if typos := _misspelled_keys(config):
-        raise LaunchError(f"{where}: " + "; ".join(f'"{key}" is not a key DeepSpeed reads (did you mean "{near}"?)'
-                                                   for key, near in typos)
-                          + ". DeepSpeed ignores keys it does not know, so the block would not apply. Fix the "
-                          "spelling.")
+        said = "; ".join(f'"{key}" is not a key DeepSpeed reads (did you mean "{near}"?)' for key, near in typos)
+        raise LaunchError(f"Misspelled keys in {where}: {said}. DeepSpeed ignores keys it does not know, so the "
+                          "block would not apply. Fix the spelling.")
     _check_zero_block(config, where)
     # fp16 on a machine without a GPU: the rule table's (shared/core/rules.py), which names this JSON when it said fp16
     precision, source = chosen.get("mixed_precision", ("no", ""))
