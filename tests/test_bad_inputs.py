@@ -912,10 +912,168 @@ CASES = [
          "no fp8: it trained in fp32, unsaid)", [], ["mixed precision 'fp8'", "under DeepSpeed",
                                                      "use recipes/fp8.py"], recipe="zero",
          env={"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_DYNAMO_MODE": "default"}),
+    # A chat template's own raise_exception (Mistral's alternation, Gemma's 'System role not supported'), met on a
+    # row the plain exchange check cannot see: a raw jinja2 TemplateError from the encoding before.
+    Case("sft-template-refuses-row", "a chat template that raises on a row (two user turns in a row under a template "
+         "that needs them to alternate): a raw jinja2 TemplateError traceback", ["--task", "sft", "--model_preset",
+                                                                                 "tiny-llama"],
+         ["The chat template refuses the training data's row 11", "Conversation roles must alternate",
+          "merge consecutive turns of one role"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"messages": _CHAT}] * 10 + [{"messages": [_CHAT[0], *_CHAT]}]
+                                                 + [{"messages": _CHAT}] * 10),
+                          "--chat_template", _write(t / "alt.jinja", _RAISING_TEMPLATE)]),
+    Case("sft-template-no-system", "system turns under a template without a system role (Gemma's): a raw jinja2 "
+         "TemplateError traceback", ["--task", "sft", "--model_preset", "tiny-llama"],
+         ["refuses the training data's row 1, 2, 3, 4, 7 and 13 more", "System role not supported",
+          "fold a system turn into the first user turn"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"messages": [{"role": "system", "content": "be brief"}, *_CHAT]}]
+                                                 * 20),
+                          "--chat_template", _write(t / "nosys.jinja", _NO_SYSTEM_TEMPLATE)]),
+    Case("lm-head-missing", "a causal LM checkpoint without lm_head.weight and tie_word_embeddings false (a random "
+         "head trained, unsaid)", ["--task", "causal-lm", "--max_seq_length", "32"],
+         ["the language-model head 'lm_head.weight' is not in its checkpoint", "tie_word_embeddings: False",
+          "set \"tie_word_embeddings\": true in config.json"],
+         setup=lambda t: ["--model_name_or_path", _headless_decoder(t)]),
+    Case("label-column-for-causal-lm", "--label_column for a causal LM (ignored: it trained on the text alone)",
+         ["--task", "causal-lm", "--label_column", "label"],
+         ["--label_column serves --task text-classification and image-classification, not --task causal-lm",
+          "Drop it"], fix=["--task", "causal-lm"]),
+    Case("text-column-for-images", "--text_column for image classification (ignored)",
+         ["--task", "image-classification", "--text_column", "caption"],
+         ["--text_column serves --task text-classification and causal-lm and sft, not --task image-classification",
+          "Drop it"], fix=["--task", "image-classification"]),
+    Case("image-column-for-text", "--image_column for text classification (ignored)", ["--image_column", "img"],
+         ["--image_column serves --task image-classification, not --task text-classification", "Drop it"], fix=[]),
+    Case("mixed-precision-flag-and-config", "--mixed_precision no with a launch config's mixed_precision: bf16 (the "
+         "flag won, the config's bf16 dropped unsaid)", ["--mixed_precision", "no"],
+         ["--mixed_precision no and the launch config's mixed_precision (bf16", "Set it in one place",
+          "drop --mixed_precision to run with bf16"],
+         env={"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_DYNAMO_MODE": "default"}, fix=[],
+         fix_env={"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_DYNAMO_MODE": "default"}),
+    Case("compile-flag-and-config", "--torch_compile full with a launch config's regional compilation (the flag won)",
+         ["--torch_compile", "full"], ["--torch_compile full and the launch config's dynamo_config (regional",
+                                       "Set it in one place"],
+         env={"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "true",
+              "ACCELERATE_DYNAMO_MODE": "default"}),
+    Case("deepspeed-json-misspelled-block", "a DeepSpeed JSON's \"zero_optimisation\" (DeepSpeed ignores keys it does "
+         "not read: it trained without ZeRO, unsaid)", [],
+         ['"zero_optimisation" is not a key DeepSpeed reads (did you mean "zero_optimization"?)', "Fix the spelling"],
+         recipe="zero", setup=lambda t: ["--deepspeed_config", _write(t / "ds.json", __import__("json").dumps({
+             "train_micro_batch_size_per_gpu": "auto", "zero_optimisation": {"stage": 2}}))]),
+    Case("deepspeed-json-unknown-zero-key", "a key zero_optimization does not have (overlap_com): a raw pydantic "
+         "ValidationError from deepspeed.initialize in prepare()", [],
+         ["zero_optimization.overlap_com: Extra inputs are not permitted (did you mean \"overlap_comm\"?)",
+          "Fix or remove those keys"], recipe="zero",
+         setup=lambda t: ["--deepspeed_config", _ds_json(t, zero_optimization={"stage": 2, "overlap_com": True})]),
+    Case("sft-validation-all-dropped", "sft validation conversations whose prompts all fill --max_seq_length (each "
+         "dropped: eval_loss 0.0 and perplexity 1.0 reported)",
+         ["--task", "sft", "--model_preset", "tiny-llama", "--max_seq_length", "16", "--per_device_train_batch_size",
+          "2"],
+         ["The validation data (", "has no sample left to evaluate", "a loss of 0", "Raise --max_seq_length"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"messages": _CHAT}] * 40), "--validation_file", _jsonl(
+             t, [{"messages": [{"role": "user", "content": " ".join(["a"] * 40)}, _CHAT[1]]}] * 4, name="v.jsonl")]),
+    Case("moe-top-k-beyond-experts", "a Mixtral config.json routing each token to 8 of its 4 experts (a raw "
+         "torch.topk 'selected index k out of range' at the first step)", ["--task", "causal-lm"],
+         ["config.json routes each token to num_experts_per_tok 8 experts of the model's 4",
+          "Set num_experts_per_tok between 1 and 4"], setup=lambda t: ["--model_name_or_path", _moe_config_dir(t)]),
+    Case("model-beside-adapter", "a whole model folder that also holds adapter_config.json (a merge saved over the "
+         "adapter's folder): called 'LoRA weights only, not a whole model'", ["--max_seq_length", "32"],
+         ["holds a whole model and a PEFT adapter", "Move adapter_config.json and adapter_model.* out of it"],
+         setup=lambda t: ["--model_name_or_path", _with_adapter_config(_classifier_dir(t, labels=2)),
+                          "--train_file", _table(t)]),
+    Case("sft-developer-role", "OpenAI messages with the 'developer' role (the system prompt's newer name): 'a role "
+         "other than system, user, assistant: map it to one of them'", ["--task", "sft", "--model_preset",
+                                                                         "tiny-llama"],
+         ["holds OpenAI's 'developer' role", "rename it to system"],
+         setup=lambda t: ["--train_file", _jsonl(t, [{"messages": [{"role": "developer", "content": "be brief"},
+                                                                   *_CHAT]}] * 20)]),
+    Case("tokenizer-config-missing", "a model folder with tokenizer.json but no tokenizer_config.json (no eos, bos or "
+         "pad: a causal LM trained on documents run together; sft said 'Pass --chat_template')",
+         ["--task", "causal-lm", "--max_seq_length", "32"],
+         ["the tokenizer loads without special tokens", "the folder has no tokenizer_config.json",
+          "Copy tokenizer_config.json"], setup=lambda t: ["--model_name_or_path", _without_tokenizer_config(t)]),
+    Case("config-fewer-layers", "config.json's num_hidden_layers lowered from 2 to 1 (layer 1's weights dropped on "
+         "load: a 1-layer model trained, unsaid)", ["--task", "causal-lm", "--max_seq_length", "32"],
+         ["weights of its checkpoint have no place in the model config.json describes", "model.layers.1.",
+          "Use the config.json saved with these weights"],
+         setup=lambda t: ["--model_name_or_path", _edited_config(__import__("tests.shipped_models").shipped_models
+                                                                  .make_dir(t, "mistral"), num_hidden_layers=1)]),
+    Case("image-paths-relative-to-table", "a csv of image paths written relative to the csv's own folder, run from "
+         "elsewhere: every image called broken ('do not open or decode ... Remove or replace them')",
+         ["--task", "image-classification", "--per_device_train_batch_size", "2"],
+         ["image path(s) in", "are relative ('imgs/a/", "relative to the table's folder", "Run from that folder"],
+         setup=lambda t: ["--train_file", _image_table(t)]),
+    Case("config-field-refused", "config.json's rope_scaling {'rope_type': 'yarn'} without its factor (the fix said "
+         "'Pass a directory saved with save_pretrained', which it is)", ["--task", "causal-lm"],
+         ["its config class refuses one of its fields", "Missing required keys", "Fix the field the reason names"],
+         setup=lambda t: ["--model_name_or_path", _edited_config(__import__("tests.shipped_models").shipped_models
+                                                                  .make_dir(t, "mistral"),
+                                                                  rope_scaling={"rope_type": "yarn"})]),
     Case("overwrite-and-resume", "--overwrite_output_dir with --resume_from_checkpoint latest (the resume won, the "
          "overwrite was dropped unsaid)", ["--overwrite_output_dir", "--resume_from_checkpoint", "latest"],
          ["they ask for opposite things", "Drop --overwrite_output_dir to train that run on"]),
 ]
+
+
+_RAISING_TEMPLATE = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+                     "{% endif %}{{ '<' + m['role'] + '>' + m['content'] + eos_token }}{% endfor %}"
+                     "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}")
+_NO_SYSTEM_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                       "supported') }}{% endif %}{{ '<' + m['role'] + '>' + m['content'] + eos_token }}{% endfor %}"
+                       "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}")
+
+
+def _moe_config_dir(tmp: Path) -> Path:
+    """A Mixtral directory (config.json and tokenizer; no weights are read before the refusal) with a hand-edited
+    num_experts_per_tok."""
+    from transformers import MixtralConfig
+
+    from shared.core.data import build_word_tokenizer
+
+    path = tmp / "moe"
+    MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=8).save_pretrained(path)
+    build_word_tokenizer(["a b c"], "causal-lm").save_pretrained(path)
+    return path
+
+
+def _with_adapter_config(path: Path) -> Path:
+    import json
+
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "my-org/base",
+                                                           "r": 8, "target_modules": ["query"]}))
+    return path
+
+
+def _without_tokenizer_config(tmp: Path) -> Path:
+    """A decoder folder copied without tokenizer_config.json and special_tokens_map.json (only tokenizer.json)."""
+    from tests.shipped_models import make_dir
+
+    path = make_dir(tmp, "mistral")
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).unlink(missing_ok=True)
+    return path
+
+
+def _image_table(tmp: Path) -> Path:
+    """images.csv beside imgs/<class>/, its paths relative to its own folder (as HF's metadata.csv writes them)."""
+    _folder(tmp)
+    rows = "".join(f"imgs/{c}/{i}.png,{c}\n" for c in "ab" for i in range(4)) * 3
+    return _write(tmp / "images.csv", "image,label\n" + rows)
+
+
+def _headless_decoder(tmp: Path) -> Path:
+    """A Mistral-style causal LM (untied head) whose export left lm_head.weight out of model.safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.shipped_models import make_dir
+
+    path = make_dir(tmp, "mistral")
+    weights = load_file(path / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
 
 
 def _edited_config(path: Path, **keys: object) -> Path:
@@ -1290,6 +1448,21 @@ def test_refusal_under_launch_is_shown_once_at_the_end(tmp_path):
     assert "Root Cause" in printed and "rank      : 0" in printed
     assert "The same refusal as local rank 0" in printed  # the second process, pointing to the first
     assert "train:" not in printed
+
+
+def test_a_damaged_results_json_is_written_again_on_resume(tmp_path, caplog):
+    """A finished run's results.json cut short (a full disk, a partial copy of the run dir): the resume took it for a
+    finished run's record, said 'its results are left as they are' and kept the damaged file. It is no record: the
+    resume evaluates the final checkpoint and writes results.json again."""
+    from tests.conftest import run_recipe
+
+    flags = ("--max_train_steps", 2, "--checkpointing_steps", 2, "--max_eval_samples", 16, "--no_save_model")
+    first = run_recipe("baseline", tmp_path / "out", *flags)
+    results = tmp_path / "out" / "results.json"
+    results.write_text(results.read_text()[:40])  # cut mid-record
+    again = run_recipe("baseline", tmp_path / "out", *flags, "--resume_from_checkpoint", "latest")
+    assert again["eval_accuracy"] == first["eval_accuracy"]  # the same final weights, evaluated again
+    assert "cannot be read as the run's results" in caplog.text and "left as they are" not in caplog.text
 
 
 def test_a_failure_after_training_keeps_the_trained_model(tmp_path, monkeypatch):

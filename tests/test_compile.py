@@ -112,7 +112,9 @@ def test_the_launch_configs_dynamo_settings_are_honoured_or_refused(monkeypatch)
     assert resolve_compile(args) == "full"
     monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "true")
     assert resolve_compile(args) == "regional"
-    assert resolve_compile(argparse.Namespace(torch_compile="full")) == "full"  # the flag wins
+    assert resolve_compile(argparse.Namespace(torch_compile="regional")) == "regional"  # both say the same
+    with pytest.raises(RecipeError, match="--torch_compile full and the launch config's dynamo_config .regional"):
+        resolve_compile(argparse.Namespace(torch_compile="full"))  # two sources, two answers: neither is dropped
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "AOT_EAGER")
     with pytest.raises(RecipeError, match="only inductor"):
         resolve_compile(args)

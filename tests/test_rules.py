@@ -38,6 +38,10 @@ BAD_INPUTS = {
     ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", '"'): "an amp / torch_autocast "
                                                                                        "block in the JSON",
     ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", "optimizer "): "a 1-bit optimizer",
+    ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", "Misspelled keys in "): "a top-level "
+    "key DeepSpeed does not read, close to one it does (it would be ignored)",
+    ("shared/techniques/deepspeed_setup.py", "_check_zero_block", "zero_optimization in "): "a zero_optimization "
+    "block DeepSpeed's own model refuses (an unknown key, a wrong type)",
     ("shared/techniques/deepspeed_setup.py", "_fill_or_refuse_autos", " is \"auto\" in the DeepSpeed JSON "):
         "an \"auto\" nothing fills",
     ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", "mixed precision "):

@@ -32,6 +32,9 @@ TASK_FLAGS = {"packing": (("causal-lm", "sft"), "concat"), "train_on_prompt": ((
                                                         (("image-classification",), None)),
               **dict.fromkeys(("messages_column", "prompt_column", "completion_column", "chat_template"),
                               (("sft",), None))}
+# The spine's data flags that only some tasks read: typed for another task they would be ignored, so they are refused.
+READ_BY = {"text_column": ("text-classification", "causal-lm", "sft"), "text_pair_column": ("text-classification",),
+           "label_column": ("text-classification", "image-classification"), "image_column": ("image-classification",)}
 # Resolved after parsing when --learning_rate is unset: fine-tuning pretrained weights (the Transformers examples'
 # default) wants a far smaller step than training a randomly initialised preset from scratch.
 PRETRAINED_LR, FROM_SCRATCH_LR = 5e-5, 1e-3
@@ -260,7 +263,8 @@ def parse_args(
                    type=number(float, low=0, note=" (0: no clipping; a negative norm would flip the gradient)"),
                    help="0 disables clipping.")
     g.add_argument("--mixed_precision", default=None, choices=("no", "fp16", "bf16"),
-                   help="Unset: the accelerate config's value, else the recipe's default.")
+                   help="Unset: the accelerate config's value, else the recipe's default (both set, differently: "
+                   "refused).")
     g.add_argument("--torch_compile", default=None, choices=("regional", "full"),
                    help="torch.compile (inductor) through Accelerate's TorchDynamoPlugin, applied in prepare(). "
                         "regional: each repeated transformer block compiled once and reused (Accelerate's "
@@ -338,6 +342,10 @@ def parse_args(
     for module in modules.values():
         if hasattr(module, "check_args"):
             module.check_args(args, p.error)
+    for flag, tasks in READ_BY.items():
+        if flag in args.explicit_flags and args.task not in tasks:
+            p.error(f"--{flag} serves --task {' and '.join(tasks)}, not --task {args.task}, which would ignore it. "
+                    f"Drop it, or pass --task {tasks[0]}.")
     if args.save_total_limit is not None and args.checkpointing_steps is None:
         p.error("--save_total_limit keeps the newest N checkpoints, but none are written without "
                 "--checkpointing_steps. Pass --checkpointing_steps N too, or drop --save_total_limit.")

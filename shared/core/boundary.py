@@ -54,6 +54,11 @@ def explain(what: str, flag: str | None, path: object, err: BaseException | None
         found, fix = ("its weights' shapes differ from the ones config.json describes (a field edited or dropped, "
                       "or the config.json of another model)", "Use the config.json saved with these weights "
                       "(save_pretrained writes both), or the weights of the model that config describes.")
+    if not found and what == "config" and isinstance(err, (KeyError, ValueError, TypeError)) and path is not None \
+            and (Path(str(path)).expanduser() / "config.json").is_file():  # read, then refused by the config's class
+        found, fix = ("config.json is there, and its config class refuses one of its fields (a hand edit, or a "
+                      "field written by another version of Transformers)", "Fix the field the reason names in "
+                      "config.json (or use the config.json saved with these weights).")
     reason = ""
     if err is not None:
         cause = err.__cause__ if isinstance(err, InputError) and err.__cause__ else err
@@ -110,6 +115,11 @@ def _folder_kind(p: Path, what: str) -> tuple[str, str]:
     adapter = p / "adapter_config.json"
     if adapter.exists() and what != "checkpoint":
         base = _json(adapter).get("base_model_name_or_path")
+        if (p / "config.json").exists() and any((p / w).exists() for w in _WEIGHTS):  # a merged model, left beside
+            return (f"it holds a whole model and a PEFT adapter (adapter_config.json): Transformers would load the "
+                    f"adapter's base{f' ({base!r})' if base else ''} with the adapter, not this folder's model",
+                    "Move adapter_config.json and adapter_model.* out of it to train the folder's model, or pass the "
+                    "adapter's base as --model_name_or_path.")
         return ("a PEFT adapter (LoRA weights only), not a whole model",
                 f"Pass its base model as --model_name_or_path{f' ({base!r})' if base else ''}; to train on from "
                 "the adapter, merge it first: PeftModel.from_pretrained(base, dir).merge_and_unload()"

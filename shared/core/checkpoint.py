@@ -504,6 +504,11 @@ def _finished(accelerator, launch: Launch, at_last_step: bool) -> None:
     results = Path(launch.output_dir) / "results.json"
     if not results.exists():
         return
+    written = _read_json(results)
+    if not isinstance(written, dict):  # cut short or damaged (a full disk, a partial copy): no record of the end
+        logger.warning("%s cannot be read as the run's results (damaged, or cut short): the run's end is not "
+                       "recorded, so it is evaluated and written again from the checkpoint.", results)
+        return
     if not at_last_step:
         import psutil  # the launcher (torch elastic's agent) began before this launch's first attempt
 
@@ -513,7 +518,7 @@ def _finished(accelerator, launch: Launch, at_last_step: bool) -> None:
                    "are. To train on, pass a larger --max_train_steps with --resume_from_checkpoint latest.",
                    launch.output_dir, results, " by this launch before a process died" if not at_last_step else "")
     accelerator.end_training()
-    raise RunFinished(_read_json(results) or {})
+    raise RunFinished(written)
 
 
 def _refuse_unknown_or_changed(path: Path, saved: dict, run: dict, explicit: set) -> None:

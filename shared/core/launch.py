@@ -104,26 +104,39 @@ def has_accelerator() -> bool:
 
 
 def resolve_mixed_precision(args: argparse.Namespace, recipe_default: str) -> str:
-    """The flag wins, then the accelerate config (which `accelerate launch` passes as an env var), then the recipe."""
-    if args.mixed_precision:
-        return args.mixed_precision
+    """The flag, else the accelerate config (which `accelerate launch` passes as an env var), else the recipe. Both
+    set, and differently: refused (one would be dropped unsaid); the config's 'no' (its default) sets none."""
     from_config = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if args.mixed_precision:
+        _one_source("--mixed_precision", args.mixed_precision, "mixed_precision", from_config, from_config != "no")
+        return args.mixed_precision
     return from_config if from_config != "no" else recipe_default
 
 
 def resolve_compile(args: argparse.Namespace) -> str:
-    """none | regional | full: the flag wins, then the accelerate config's dynamo_config (which `accelerate launch`
-    passes as ACCELERATE_DYNAMO_* variables; only the inductor backend is checked here, so others are refused)."""
-    if args.torch_compile:
-        return args.torch_compile
+    """none | regional | full: the flag, else the accelerate config's dynamo_config (which `accelerate launch`
+    passes as ACCELERATE_DYNAMO_* variables; only the inductor backend is checked here, so others are refused). Both
+    set, differently: refused."""
     backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()
+    regional = os.environ.get("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "false").lower() in ("1", "true", "yes")
+    if args.torch_compile:
+        _one_source("--torch_compile", args.torch_compile, "dynamo_config", "regional" if regional else "full",
+                    backend == "inductor")
+        return args.torch_compile
     if backend == "no":
         return "none"
     if backend != "inductor":
         raise LaunchError(f"dynamo_backend {backend!r} in the launch config: only inductor is run and tested here. "
                           "Set dynamo_backend: INDUCTOR (or NO), or pass --torch_compile regional|full.")
-    regional = os.environ.get("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "false").lower() in ("1", "true", "yes")
     return "regional" if regional else "full"
+
+
+def _one_source(flag: str, value: str, key: str, from_config: str, config_sets: bool) -> None:
+    """A setting given by a flag and by the launch config, differently: which one the user meant is not ours to pick."""
+    if config_sets and from_config != value:
+        raise LaunchError(f"{flag} {value} and the launch config's {key} ({from_config}, which `accelerate launch` "
+                          f"passes on from --config_file or its own flags) differ: one would be dropped unsaid. Set it "
+                          f"in one place: drop {flag} to run with {from_config}, or change the launch config.")
 
 
 def build_dynamo_plugin(compile_mode: str) -> TorchDynamoPlugin:
@@ -345,7 +358,7 @@ def start_run(accelerator: Accelerator, launch: Launch) -> None:
                                   f"{launch.output_dir} ({err.strerror or err}: {err.filename}). Free space there "
                                   "or make it writable, pass another --output_dir, or --report_to none.") from None
     if not args.mixed_precision and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") != "no":
-        logger.info("mixed_precision=%s from ACCELERATE_MIXED_PRECISION (the launch config; --mixed_precision wins)",
+        logger.info("mixed_precision=%s from ACCELERATE_MIXED_PRECISION (the launch config)",
                     os.environ["ACCELERATE_MIXED_PRECISION"])
     logger.info(
         "%s: task=%s distributed_type=%s processes=%d device=%s mixed_precision=%s output_dir=%s",

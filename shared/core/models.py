@@ -182,6 +182,19 @@ def check_positions(config: PretrainedConfig, max_seq_length: int) -> None:
                          f"Pass --max_seq_length {positions} or less.")
 
 
+def check_router(config: PretrainedConfig, name: str) -> None:
+    """A mixture of experts whose config routes each token to more experts than it has (or to none): the first
+    forward failed in torch.topk ('selected index k out of range'), after the data was read and the model built."""
+    experts = next((v for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if isinstance(v := getattr(config, k, None), int) and v > 0), None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if experts and isinstance(top_k, int) and not 1 <= top_k <= experts:
+        raise InputError(f"{name}: config.json routes each token to num_experts_per_tok {top_k} experts of the "
+                         f"model's {experts}: the first forward would fail (torch.topk) or route nothing. Set "
+                         f"num_experts_per_tok between 1 and {experts}: the value the checkpoint was trained with "
+                         "(Mixtral: 2).")
+
+
 def weights_dtype(args: argparse.Namespace, config: PretrainedConfig) -> torch.dtype:
     """The dtype the weights train in (--weights_dtype): fp32 (a bf16 checkpoint upcast: fp32 master weights), bf16,
     or auto: the dtype the config says the weights are stored in (transformers' dtype="auto"; none given: fp32)."""
@@ -241,18 +254,36 @@ def build_model(args: argparse.Namespace, config: PretrainedConfig) -> nn.Module
                 args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code,
                 ignore_mismatched_sizes=getattr(args, "ignore_mismatched_sizes", False), output_loading_info=True,
                 dtype=dtype, **attn)
-        check_loaded(args.model_name_or_path, model, info)
+        check_loaded(args.model_name_or_path, model, info, lm_head=args.task == "causal-lm")
         return model
     return auto.from_config(config, dtype=dtype, **attn)
 
 
-def check_loaded(name: str, model: nn.Module, info: dict) -> None:
+def check_loaded(name: str, model: nn.Module, info: dict, lm_head: bool = False) -> None:
     """Weights of the model's body that the checkpoint lacks would train from random values while the run reports
     fine-tuning `name` (a config.json whose model_type or sizes were edited, weights of another model): refused.
     Outside the body (a new task head: classifier, score, DistilBERT's pre_classifier) and a pooler, missing weights
-    are expected: they are what fine-tuning a classifier starts from random."""
+    are expected: they are what fine-tuning a classifier starts from random. A causal LM's head (`lm_head`) is not
+    new: a checkpoint without it, whose config.json does not tie it to the embedding, would train a random head."""
     body = getattr(model, "base_model_prefix", "") + "."
+    head = model.get_output_embeddings() if lm_head else None
+    head_name = next((n + "." for n, m in model.named_modules() if m is head and n), None)
+    if head_name and (lost := [k for k in info.get("missing_keys", []) if k.startswith(head_name)]):
+        raise InputError(f"--model_name_or_path {name!r}: the language-model head {lost[0]!r} is not in its "
+                         "checkpoint, and config.json does not tie it to the input embedding (tie_word_embeddings: "
+                         f"{getattr(model.config, 'tie_word_embeddings', None)}): the run would "
+                         "fine-tune a randomly initialised head. If the model ties its head to the embedding (Qwen2.5,"
+                         " Llama 3.2 1B, Gemma), set \"tie_word_embeddings\": true in config.json; else copy the "
+                         "checkpoint again with its lm_head weights.")
     missing = [k for k in info.get("missing_keys", []) if k.startswith(body) and ".pooler." not in k]
+    # Weights of the body that config.json has no place for (num_hidden_layers lowered, a deeper model's weights):
+    # dropped on load, and a smaller model than the checkpoint trained. A ViTModel's pooler is not used: expected.
+    extra = [k for k in info.get("unexpected_keys", []) if k.startswith(body) and ".pooler." not in k]
+    if extra:
+        raise InputError(f"--model_name_or_path {name!r}: {len(extra)} weights of its checkpoint have no place in "
+                         f"the model config.json describes (e.g. {sorted(extra)[:3]}) and would be dropped: a smaller "
+                         "model than the checkpoint would train (num_hidden_layers or another size edited, or "
+                         "another model's weights). Use the config.json saved with these weights.")
     if missing:
         total = sum(1 for _ in model.state_dict())
         raise InputError(f"--model_name_or_path {name!r}: {len(missing)} of the model's {total} weights are not in "

@@ -156,12 +156,10 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
     # read and tokenized (the preset's positions are those of the model built later).
     config = models.model_config(args)
     models.check_positions(config, args.max_seq_length)
+    models.check_router(config, models.model_source(args))
     # A mixture of experts whose task class drops its router loss: refused by the rule table, before the data is read
     rules.check_built(launch.recipe, task=args.task, no_router_loss=models.router_loss_missing(config, args.task))
     models.check_weights_dtype(args, config, launch.mixed_precision, accelerator.is_main_process)
-    if args.text_pair_column and args.task != "text-classification":
-        raise InputError(f"--text_pair_column serves --task text-classification (sentence pairs), not {args.task}. "
-                         "Drop it, or pass --task text-classification.")
     with accelerator.main_process_first():  # the first process fills the datasets cache, the others reuse it
         # A task module may bring its own built-in data (sft.py's): else data.py's, files or the hub
         train_raw, val_raw, source = getattr(module, "load_raw_splits", data.load_raw_splits)(args)
@@ -179,6 +177,12 @@ def load_task(launch: Launch, accelerator, eval_batch_size: int | None = None, k
     packed = task.packing != "none"
     if n_train == 0:
         raise InputError(NO_EXAMPLES.format(source=source))
+    if len(task.eval_dataloader.dataset) == 0:  # evaluation of nothing: a loss of 0 and a perplexity of 1, reported
+        where = args.validation_file or args.validation_dir or "held out from the training data"
+        raise InputError(f"The validation data ({where}) has no sample left to evaluate: every row was dropped (a "
+                         f"prompt that alone fills --max_seq_length {args.max_seq_length}, or text shorter than one "
+                         "block), and the run would report the evaluation of nothing (a loss of 0). Raise "
+                         "--max_seq_length, or pass a --validation_file with rows that fit.")
     check_vocabulary(task, args)
     task.report = datareport.build_report(task, args, source)
     datareport.emit(task.report, accelerator, launch.output_dir)  # printed and saved before the first step
@@ -260,6 +264,13 @@ def tokenizer_for(args, texts: list[str]):
                          "from), or save it there with tokenizer.save_pretrained(dir).")
     with loading("tokenizer", "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path", name):
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    if Path(name).is_dir() and not (Path(name) / "tokenizer_config.json").exists() and not tok.all_special_tokens:
+        # tokenizer.json holds the vocabulary; which token is eos, bos or pad is tokenizer_config.json's to say
+        raise InputError(f"{'--tokenizer_name' if args.tokenizer_name else '--model_name_or_path'} {name!r}: the "
+                         "tokenizer loads without special tokens (no eos, bos or pad: documents would run together "
+                         "and no answer could end), because the folder has no tokenizer_config.json. Copy "
+                         "tokenizer_config.json (and special_tokens_map.json) from where the model came from, or pass "
+                         "--tokenizer_name with the whole tokenizer.")
     if tok.pad_token is None:  # GPT-2 style tokenizers have none; padding is masked out of the loss anyway
         tok.pad_token = tok.eos_token
     return tok

@@ -106,7 +106,7 @@ def _turn_problem(turn: object) -> str | None:
     if not isinstance(turn.get("role"), str):
         return "no_role"
     if turn["role"] not in ROLES:
-        return "unknown_role"
+        return "developer" if turn["role"] == "developer" else "unknown_role"
     if extra:
         return "extra_keys"
     content = turn.get("content")
@@ -129,6 +129,8 @@ PROBLEMS = {  # key: (what, the fix)
     "no_role": ("holds a turn without a string 'role'", "give every turn a role: system, user or assistant"),
     "unknown_role": ("holds a role other than system, user, assistant", "map it to one of them (the template "
                      "would drop or mangle it)"),
+    "developer": ("holds OpenAI's 'developer' role (its newer name for the system prompt), which chat templates do "
+                  "not know", "rename it to system"),
     "tool": ("holds a tool call or a tool turn (tool_calls, role tool/function/ipython)", "remove those turns; tool "
              "use is not trained by this task"),
     "extra_keys": ("holds turn keys other than role and content (name, weight, ...)", "drop them: they would be "
@@ -303,9 +305,15 @@ class Encoder:
 
     def all(self, rows: list[dict], name: str, refuse_long_prompts: bool) -> tuple[list[dict], dict[str, int]]:
         """The samples, and the rows dropped by reason. A training prompt that alone fills max_len is refused."""
-        out, dropped, long = [], {}, []
+        from jinja2 import TemplateError
+
+        out, dropped, long, refused = [], {}, [], {}
         for row in rows:
-            ids, target = self.encode(row)
+            try:
+                ids, target = self.encode(row)
+            except TemplateError as err:  # raise_exception(...) in the template: roles must alternate, no system ...
+                refused.setdefault(f"{type(err).__name__}: {err}", []).append(row["row"])
+                continue
             if self.everything:
                 target = [True] * len(ids)
             first = next((i for i, t in enumerate(target) if t and i > 0), None)
@@ -318,6 +326,12 @@ class Encoder:
                 dropped[reason] = dropped.get(reason, 0) + 1
                 continue
             out.append({"input_ids": ids, "labels": labels, "truncated": len(target) > self.max_len})
+        if refused:  # the template's own words, with the rows: one refusal for every row, before any step
+            said = "; ".join(f"row {_rows_named(sorted(ix))} ({why})" for why, ix in refused.items())
+            raise InputError(f"The chat template refuses the {name} data's {said}. Rows are counted from 1. Fix "
+                             "those rows as the template asks (merge consecutive turns of one role; fold a system "
+                             "turn into the first user turn), or pass --chat_template FILE with a template that "
+                             "accepts them.")
         if long and refuse_long_prompts:
             rows_, need = [r for r, _ in long], max(n for _, n in long) + 1
             raise InputError(f"The {name} data's row {_rows_named(rows_)}: the prompt alone fills --max_seq_length "

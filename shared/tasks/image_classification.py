@@ -71,8 +71,9 @@ def build(args, accelerator, train_raw, val_raw, source, batches: tuple[int, int
     train_raw, val_raw = images.hold_out(train_raw, val_raw, source)
     train_raw, val_raw = limit(train_raw, args.max_train_samples), limit(val_raw, args.max_eval_samples)
     train_labels, val_labels = list(train_raw[label_col]), list(val_raw[label_col])
-    images.check_images(list(train_raw[image_col]), "training")
-    images.check_images(list(val_raw[image_col]), "validation")
+    tables = (args.train_file, args.validation_file or args.train_file)  # a held-out split is the train file's
+    images.check_images(list(train_raw[image_col]), "training", tables[0])
+    images.check_images(list(val_raw[image_col]), "validation", tables[1])
     classes, mapping = datacheck.label_set(train_labels, val_labels, label_col)
     folder_names = train_raw.get("classes") if isinstance(train_raw, dict) else None
     # a folder's class names, a hub dataset's ClassLabel names (its values are ids), or the label strings

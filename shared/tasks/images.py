@@ -4,6 +4,7 @@ image_classification.py alone, so a copy for another task carries none of it."""
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -123,11 +124,18 @@ def image_folder(root: str, classes: list[str] | None = None) -> dict[str, list]
 
 
 
-def check_images(paths: list, split: str) -> None:
+def check_images(paths: list, split: str, table: str | None = None) -> None:
     """Every image file decodes: a truncated one (an interrupted copy) opens and verifies, then crashes evaluation.
-    All are decoded, as a sample would miss the one bad file; JPEGs in draft mode (scaled, yet every byte read)."""
+    All are decoded, as a sample would miss the one bad file; JPEGs in draft mode (scaled, yet every byte read).
+    `table`: the csv/json file the paths come from, whose folder relative paths may have been written against."""
     from PIL import Image
 
+    gone = [p for p in paths if isinstance(p, str) and not os.path.isabs(p) and not os.path.exists(p)]
+    if table and gone and all(os.path.exists(os.path.join(os.path.dirname(table), p)) for p in gone[:_SHOWN]):
+        raise InputError(f"{len(gone)} {split} image path(s) in {table} are relative ({gone[0]!r} ...) and are read "
+                         f"from the current directory {os.getcwd()}, where they are not; they are there relative to "
+                         f"the table's folder {os.path.dirname(table) or '.'}. Run from that folder, or write the "
+                         "paths absolute (or relative to where you run).")
     broken, odd = [], []
     for path in paths:
         if not isinstance(path, str):  # already decoded (a hub dataset's Image feature, the built-in arrays)

@@ -320,9 +320,59 @@ def _check_global_batch(config: dict, chosen: dict, json_file: str | None) -> No
                       "; or set train_batch_size to \"auto\".")
 
 
+# Top-level keys DeepSpeed reads through its pydantic models rather than through named constants
+_MODEL_KEYS = ("tensorboard", "wandb", "csv_monitor", "comet", "elasticity", "nebula", "amp", "sparse_attention",
+               "pipeline", "compression_training", "weight_quantization", "hybrid_engine", "sparse_gradients",
+               "eigenvalue", "progressive_layer_drop", "quantize_training", "compile", "graph_harvesting",
+               "tensor_parallel", "sequence_parallel_size", "zero_optimization")
+
+
+def _misspelled_keys(config: dict) -> list[tuple[str, str]]:
+    """(key, the key DeepSpeed knows it is close to): DeepSpeed ignores a top-level key it does not read, so a
+    misspelled block ("zero_optimisation") trained as if it were absent (no ZeRO), unsaid."""
+    import difflib
+    import sys
+
+    import deepspeed.runtime.config  # noqa: F401  (loads the modules whose constants name the keys it reads)
+
+    known = set(_MODEL_KEYS) | {v for name, module in list(sys.modules.items()) if name.startswith("deepspeed")
+                                and module is not None for k, v in vars(module).items()
+                                if k.isupper() and isinstance(v, str)}
+    return [(key, near[0]) for key in config if key not in known
+            and (near := difflib.get_close_matches(key, known, n=1, cutoff=0.85))]
+
+
+def _check_zero_block(config: dict, where: str) -> None:
+    """zero_optimization as DeepSpeed's own model validates it in deepspeed.initialize (a key it does not know, a
+    value of the wrong type): a raw pydantic ValidationError from prepare() before. "auto" values are Accelerate's
+    to fill, so they are left out here."""
+    import difflib
+
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, get_zero_config
+    from pydantic import ValidationError
+
+    def known(node: object) -> object:
+        return {k: known(v) for k, v in node.items() if v != "auto"} if isinstance(node, dict) else node
+
+    try:
+        get_zero_config({"zero_optimization": known(config.get("zero_optimization") or {})})
+    except ValidationError as err:
+        names = [n for k, f in DeepSpeedZeroConfig.model_fields.items() for n in (k, f.alias) if n]
+        problems = "; ".join(f"zero_optimization.{'.'.join(map(str, e['loc']))}: {e['msg']}" + "".join(
+            f' (did you mean "{n}"?)' for n in difflib.get_close_matches(str(e["loc"][-1]), names, n=1, cutoff=0.8)
+            if e["type"] == "extra_forbidden") for e in err.errors())
+        raise LaunchError(f"zero_optimization in {where}: {problems} (DeepSpeed's check of the block). Fix or "
+                          "remove those keys: DeepSpeed's config docs list the zero_optimization keys.") from None
+
+
 def _refuse_what_the_loop_cannot_run(config: dict, chosen: dict, json_file: str | None) -> None:
     """JSON settings that change training and that these recipes do not run as written: refused by name."""
     where = f"the DeepSpeed JSON {json_file}" if json_file else "the DeepSpeed settings"
+    if typos := _misspelled_keys(config):
+        said = "; ".join(f'"{key}" is not a key DeepSpeed reads (did you mean "{near}"?)' for key, near in typos)
+        raise LaunchError(f"Misspelled keys in {where}: {said}. DeepSpeed ignores keys it does not know, so the "
+                          "block would not apply. Fix the spelling.")
+    _check_zero_block(config, where)
     # fp16 on a machine without a GPU: the rule table's (shared/core/rules.py), which names this JSON when it said fp16
     precision, source = chosen.get("mixed_precision", ("no", ""))
     if precision not in ("no", "fp16", "bf16"):  # the fp16 / bf16 blocks hold no other: it would have run in fp32
