@@ -254,7 +254,7 @@ def build_model(args: argparse.Namespace, config: PretrainedConfig) -> nn.Module
                 args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code,
                 ignore_mismatched_sizes=getattr(args, "ignore_mismatched_sizes", False), output_loading_info=True,
                 dtype=dtype, **attn)
-        check_loaded(args.model_name_or_path, model, info, lm_head=args.task == "causal-lm")
+        check_loaded(args.model_name_or_path, model, info, lm_head=args.task in ("causal-lm", "sft"))
         return model
     return auto.from_config(config, dtype=dtype, **attn)
 
