@@ -430,7 +430,8 @@ def launch_note(path: Path) -> str:
 # Import name -> the pip package of the repository's requirements.txt that brings it (where the names differ).
 PIP_OF_IMPORT = {"PIL": "pillow", "yaml": "accelerate", "numpy": "accelerate", "huggingface_hub": "transformers",
                  "packaging": "accelerate", "safetensors": "safetensors", "tokenizers": "tokenizers",
-                 "pyarrow": "datasets"}  # datasets reads files with it (shared/core/data.py: parquet row counts)
+                 "pyarrow": "datasets",  # datasets reads files with it (shared/core/data.py: parquet row counts)
+                 "pydantic": "deepspeed"}  # its config models (deepspeed_setup.py validates a zero_optimization block)
 NEVER_REQUIRED = ("pytest", "pytest-xdist", "ruff", "hypothesis")  # the repository's own test and lint tools
 # Names whose use needs a package the file never imports: transformers imports bitsandbytes to load a model
 # quantized by a BitsAndBytesConfig (qlora.py).
