@@ -261,10 +261,17 @@ def lineage() -> dict:
 
 
 def _branches(root: Path) -> list[dict]:
+    """lineage.json; where it is missing or damaged (deleted, a partial copy of the folder), the branches the
+    checkpoints record, each with its parent: `latest` took the abandoned branch 0's newest checkpoint instead."""
     data = _read_json(root / LINEAGE)
-    if isinstance(data, list) and data and all(isinstance(b, dict) and isinstance(b.get("branch"), int) for b in data):
-        return data
-    return [{"branch": 0, "parent": None, "from_step": None}]
+    ok = isinstance(data, list) and data and all(isinstance(b, dict) and isinstance(b.get("branch"), int) for b in data)
+    by_id = {b["branch"]: b for b in (data if ok else [{"branch": 0, "parent": None, "from_step": None}])}
+    for path in [] if ok else root.glob("step_*"):  # (a whole file is the record: another run's are not ours)
+        state = _state(path)
+        branch, parent = state.get("branch", 0), state.get("parent") or {}
+        if isinstance(branch, int) and branch not in by_id and isinstance(parent, dict):
+            by_id[branch] = {"branch": branch, "parent": parent.get("branch"), "from_step": parent.get("step")}
+    return [by_id[b] for b in sorted(by_id)]  # oldest first: a new branch's id is the largest known plus one
 
 
 def _line(branches: list[dict], branch: int) -> dict[int, float]:
@@ -456,6 +463,21 @@ def find_checkpoint(launch: Launch, accelerator) -> Path | None:
             if problem is None:
                 return path
             logger.warning("skipping checkpoint %s: %s", path, problem)
+        # The line began at a checkpoint outside this folder (--resume_from_checkpoint of another run's) and has none
+        # here yet: that is where it resumes; starting from scratch would drop what the line was trained from.
+        for branch in (b for b in reversed(branches) if b["branch"] in line and b.get("from")):
+            start = Path(branch["from"])
+            if start.parent.resolve() == root.resolve():
+                continue  # a rollback point here is on the line above: taken there if it verifies
+            problem = verify_checkpoint(start, accelerator) if start.is_dir() else "it no longer exists"
+            if problem:
+                raise CheckpointError(f"--resume_from_checkpoint latest: branch {branch['branch']} of the run in "
+                                      f"{launch.output_dir} started from {start}, which it has no checkpoint after, "
+                                      f"and {start} cannot be resumed ({problem}). Pass --resume_from_checkpoint "
+                                      "with a complete checkpoint, or start afresh with --overwrite_output_dir.")
+            logger.warning("--resume_from_checkpoint latest: branch %d has no checkpoint in %s yet; resuming from "
+                           "%s, where it started", branch["branch"], root, start)
+            return start
         logger.warning("--resume_from_checkpoint latest: no complete checkpoint in %s; starting from scratch",
                        root)
         return None
@@ -498,7 +520,7 @@ def resume_changes() -> dict:
     return dict(_resume_changes)
 
 
-def _finished(accelerator, launch: Launch, at_last_step: bool) -> None:
+def _finished(accelerator, launch: Launch, at_last_step: bool, steps: int) -> None:
     """Results are written once per training: a resume that trains nothing where results.json is written, or a torch
     elastic restart after this launch wrote it (a process died after the run finished), leaves it and stops."""
     results = Path(launch.output_dir) / "results.json"
@@ -509,14 +531,20 @@ def _finished(accelerator, launch: Launch, at_last_step: bool) -> None:
         logger.warning("%s cannot be read as the run's results (damaged, or cut short): the run's end is not "
                        "recorded, so it is evaluated and written again from the checkpoint.", results)
         return
-    if not at_last_step:
+    # `latest` where the newest branch finished with no checkpoint at its last step (one run without
+    # --checkpointing_steps): it would train that branch again from an earlier step and write over its results.
+    ended = launch.resume_from_checkpoint == "latest" and written.get("max_train_steps") == steps and (
+        written.get("lineage") or {}).get("branch", 0) == _branches(checkpoints_root(launch.output_dir))[-1]["branch"]
+    restarted = False
+    if not at_last_step and launch.elastic_restarts:
         import psutil  # the launcher (torch elastic's agent) began before this launch's first attempt
 
-        if not launch.elastic_restarts or results.stat().st_mtime < psutil.Process(os.getppid()).create_time():
-            return
+        restarted = results.stat().st_mtime >= psutil.Process(os.getppid()).create_time()
+    if not (at_last_step or ended or restarted):
+        return
     logger.warning("the run in %s is finished (%s written%s): nothing to train, and its results are left as they "
                    "are. To train on, pass a larger --max_train_steps with --resume_from_checkpoint latest.",
-                   launch.output_dir, results, " by this launch before a process died" if not at_last_step else "")
+                   launch.output_dir, results, " by this launch before a process died" if restarted else "")
     accelerator.end_training()
     raise RunFinished(written)
 
@@ -617,7 +645,7 @@ def resume(accelerator, launch: Launch, max_steps: int) -> tuple[int, int]:
         logger.warning("torch elastic restart %d of %d (a process died; all were restarted), resuming from %s: %s.",
                        used, most, path or "step 0 (no complete checkpoint; --checkpointing_steps N writes them)", then)
     state = json.loads((path / STATE_FILE).read_text()) if path else {}
-    _finished(accelerator, launch, at_last_step=bool(path) and state["step"] == steps)
+    _finished(accelerator, launch, bool(path) and state["step"] == steps, steps)
     if accelerator.is_main_process and not launch.args.no_save_model:  # the final model's room, before any step
         params = [p for m in prepared_models(accelerator) for p in m.parameters()]
         needed = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params)  # ZeRO-3: its full size
