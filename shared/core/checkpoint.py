@@ -266,7 +266,7 @@ def _branches(root: Path) -> list[dict]:
     data = _read_json(root / LINEAGE)
     ok = isinstance(data, list) and data and all(isinstance(b, dict) and isinstance(b.get("branch"), int) for b in data)
     by_id = {b["branch"]: b for b in (data if ok else [{"branch": 0, "parent": None, "from_step": None}])}
-    for path in [] if ok else root.glob("step_*"):  # (a whole file is the record: another run's are not ours)
+    for path in [] if ok else _checkpoints(root):  # (a whole file is the record: another run's are not ours)
         state = _state(path)
         branch, parent = state.get("branch", 0), state.get("parent") or {}
         if isinstance(branch, int) and branch not in by_id and isinstance(parent, dict):
@@ -283,6 +283,12 @@ def _line(branches: list[dict], branch: int) -> dict[int, float]:
         branch, limit = b.get("parent"), b.get("from_step")
         limit = float("inf") if limit is None else limit
     return line
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    """The run's checkpoints, oldest first: step_<N> only. Other folders there (reshard's step_N_universal, a user's
+    step_N_backup) are resumed by path, never counted, pruned or taken by `latest` (they raised ValueError)."""
+    return sorted(p for p in root.glob("step_*") if p.name[5:].isdigit())
 
 
 def _step_of(path: Path) -> int:
@@ -312,7 +318,7 @@ def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, 
     then = "this run's earlier checkpoints are intact (--resume_from_checkpoint latest continues from the newest)."
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-        ours = [p for p in sorted(root.glob("step_*")) if not differences(saved_run(p), run, FIXED)]
+        ours = [p for p in _checkpoints(root) if not differences(saved_run(p), run, FIXED)]
         if ours:  # the last one's size: what this one needs, checked before writing a byte
             last = _read_json(ours[-1] / MANIFEST) or {}
             rundir.check_room(root, sum(m.get("bytes", 0) for m in last.values()), f"checkpoint {final.name}", then)
@@ -342,7 +348,7 @@ def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, 
                 # The newest `keep` of this branch's line; the checkpoints of abandoned branches go too, now that
                 # this branch has one (the rollback point stays until then: it is on the line).
                 line = _line(_branches(root), _lineage["branch"])
-                ours = [p for p in sorted(root.glob("step_*")) if not differences(saved_run(p), run, FIXED)]
+                ours = [p for p in _checkpoints(root) if not differences(saved_run(p), run, FIXED)]
                 on = [p for p in ours if _on_line(p, line)]
                 for old in on[:-keep] + [p for p in ours if p not in on]:
                     shutil.rmtree(old, ignore_errors=True)
@@ -453,7 +459,7 @@ def find_checkpoint(launch: Launch, accelerator) -> Path | None:
         run = run_identity(launch, accelerator.num_processes)
         branches = _branches(root)
         line = _line(branches, branches[-1]["branch"])
-        for path in sorted(root.glob("step_*"), reverse=True):
+        for path in reversed(_checkpoints(root)):
             if not _on_line(path, line):
                 logger.info("skipping checkpoint %s: its branch was abandoned at an earlier step (a resume from "
                             "there started branch %d, which `latest` follows)", path, branches[-1]["branch"])
@@ -467,7 +473,7 @@ def find_checkpoint(launch: Launch, accelerator) -> Path | None:
         # here yet: that is where it resumes; starting from scratch would drop what the line was trained from.
         for branch in (b for b in reversed(branches) if b["branch"] in line and b.get("from")):
             start = Path(branch["from"])
-            if start.parent.resolve() == root.resolve():
+            if start.resolve() in {p.resolve() for p in _checkpoints(root)}:
                 continue  # a rollback point here is on the line above: taken there if it verifies
             problem = verify_checkpoint(start, accelerator) if start.is_dir() else "it no longer exists"
             if problem:
@@ -503,7 +509,7 @@ def _refuse_overwriting_another_run(launch: Launch, num_processes: int) -> None:
     if not launch.args.checkpointing_steps:
         return
     run = run_identity(launch, num_processes)
-    for path in sorted(checkpoints_root(launch.output_dir).glob("step_*")):
+    for path in _checkpoints(checkpoints_root(launch.output_dir)):
         other = differences(saved_run(path), run, FIXED) if (path / MANIFEST).exists() else {}
         if other:
             raise CheckpointError(f"{path.parent} holds checkpoints of another run ({path.name}: "
@@ -593,7 +599,7 @@ def _start_branch(accelerator, launch: Launch, path: Path | None, state: dict, c
     root = checkpoints_root(launch.output_dir)
     branches = _branches(root)
     newest = branches[-1]["branch"]
-    ours = sorted(root.glob("step_*"))
+    ours = _checkpoints(root)
     if path is None and not (launch.args.checkpointing_steps and (ours or (root / LINEAGE).exists())):
         _lineage.update(branch=0, parent=None, from_step=None, **{"from": None})  # nothing to branch from, or to
         return
