@@ -187,6 +187,11 @@ def _saved_at_batch_4(tmp: Path, recipe: str) -> Path:
     return tmp / "saved" / "checkpoints" / "step_00000002"
 
 
+def _made(path: Path) -> Path:
+    path.mkdir(parents=True)
+    return path
+
+
 def _line_from(tmp: Path, start: Path) -> Path:
     """A run folder whose branch 1 began at `start` (--resume_from_checkpoint of another run's checkpoint) and was
     killed before its first checkpoint: checkpoints/lineage.json as the run wrote it, no step_N."""
@@ -610,6 +615,13 @@ CASES = [
          ["--resume_from_checkpoint", "latest"],
          ["branch 1 of the run in", "cannot be resumed (it no longer exists)", "Pass --resume_from_checkpoint"],
          out=lambda t: _line_from(t, t / "gone" / "checkpoints" / "step_00000002")),
+    Case("resume-the-run-folder", "--resume_from_checkpoint naming the run's own folder (--output_dir), not a step of "
+         "it (it was told to pass an --output_dir apart from its input)", [],
+         ["is this run's folder (--output_dir), not one of its checkpoints", "Pass --resume_from_checkpoint latest"],
+         setup=lambda t: ["--resume_from_checkpoint", _made(t / "out" / "checkpoints").parent]),
+    Case("resume-the-checkpoints-folder", "--resume_from_checkpoint naming the run's checkpoints/ folder", [],
+         ["is this run's checkpoints folder, not one of its checkpoints", "a step_N folder under"],
+         setup=lambda t: ["--resume_from_checkpoint", _made(t / "out" / "checkpoints")]),
     Case("resume-another-global-batch", "resuming on another per-device batch, process count or accumulation whose "
          "product, the global batch, is not the checkpoint's (docs/resharding.md)",
          ["--per_device_train_batch_size", 2],

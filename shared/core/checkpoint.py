@@ -288,7 +288,7 @@ def _line(branches: list[dict], branch: int) -> dict[int, float]:
 def _checkpoints(root: Path) -> list[Path]:
     """The run's checkpoints, oldest first: step_<N> only. Other folders there (reshard's step_N_universal, a user's
     step_N_backup) are resumed by path, never counted, pruned or taken by `latest` (they raised ValueError)."""
-    return sorted(p for p in root.glob("step_*") if p.name[5:].isdigit())
+    return sorted((p for p in root.glob("step_*") if p.name[5:].isdigit()), key=_step_of)
 
 
 def _step_of(path: Path) -> int:
