@@ -298,6 +298,12 @@ CASES = [
          ["optimizer SGD in the DeepSpeed JSON", "under ZeRO stage 3", '"zero_allow_untested_optimizer": true'],
          recipe="zero",
          setup=lambda t: ["--deepspeed_config", _ds_json(t, optimizer={"type": "SGD", "params": {"lr": "auto"}})]),
+    Case("deepspeed-adagrad-zero2", "Adagrad in a DeepSpeed JSON under ZeRO-1/2 without optimizer offload (a raw "
+         "IndexError from DeepSpeed's first backward)", [],
+         ["optimizer Adagrad in the DeepSpeed JSON", "under ZeRO stage 2 without optimizer offload",
+          "offload_optimizer device cpu"], recipe="zero",
+         setup=lambda t: ["--deepspeed_config", _ds_json(t, optimizer={"type": "Adagrad", "params": {"lr": "auto"}},
+                                                         zero_optimization={"stage": 2})]),
     Case("deepspeed-optimizer-unknown", "a DeepSpeed JSON optimizer neither DeepSpeed nor torch.optim has (a raw "
          "AttributeError from prepare())", [],
          ["optimizer sgd in the DeepSpeed JSON", "nor a class of torch.optim", "exact case: SGD"], recipe="zero",

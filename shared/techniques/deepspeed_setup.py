@@ -419,9 +419,9 @@ def _check_json_optimizer(config: dict, where: str) -> None:
         return
     name = block["type"]
     own = name.lower() in DEEPSPEED_OPTIMIZERS
+    offload = _get(config, "zero_optimization.offload_optimizer")
+    offload = isinstance(offload, dict) and str(offload.get("device")).lower() in ("cpu", "nvme")
     if own and name.lower() in _OPTIMIZER_OPS:
-        offload = _get(config, "zero_optimization.offload_optimizer")
-        offload = isinstance(offload, dict) and str(offload.get("device")).lower() in ("cpu", "nvme")
         op = _OPTIMIZER_OPS[name.lower()][0 if offload else 1]
         if op and type(get_accelerator().create_op_builder(op)).__name__ in ("NoneType", "NotImplementedBuilder"):
             raise LaunchError(f"optimizer {name} in {where}: DeepSpeed builds it with its {op} kernel, which has no "
@@ -439,6 +439,13 @@ def _check_json_optimizer(config: dict, where: str) -> None:
                           f"({', '.join(DEEPSPEED_OPTIMIZERS)}, any case) nor a class of torch.optim, where it looks "
                           "other names up (exact case: SGD, RMSprop). Fix the name, or remove the block.")
     stage = _get(config, "zero_optimization.stage")
+    if own and name.lower() == "adagrad" and stage in (1, 2) and not offload:
+        # torch.optim.Adagrad in ZeRO-1/2's flat partitions: IndexError in _get_flat_partition_unpadded at the first
+        # backward (2 processes, DeepSpeed 0.19.8); DeepSpeedCPUAdagrad (offload) and ZeRO-3 ran.
+        raise LaunchError(f"optimizer {name} in {where} under ZeRO stage {stage} without optimizer offload: "
+                          "DeepSpeed's torch.optim.Adagrad stops in its first backward there (IndexError in "
+                          "stage_1_and_2). Offload the optimizer (offload_optimizer device cpu: DeepSpeedCPUAdagrad), "
+                          "run ZeRO stage 3, or use AdamW.")
     if (isinstance(stage, int) and stage > 0 and name.lower() not in _ZERO_TESTED
             and config.get("zero_allow_untested_optimizer") is not True):
         raise LaunchError(f"optimizer {name} in {where} under ZeRO stage {stage}: DeepSpeed runs only the optimizers "
