@@ -108,8 +108,9 @@ class KilledBeforeSave(BaseException):
 
 
 def test_latest_follows_the_line_its_checkpoints_record(monkeypatch, tmp_path, caplog):
-    """The lineage's record lost (lineage.json deleted, or cut short by a partial copy of the run folder): `latest`
-    took the abandoned branch 0's step_6. Its checkpoints record their branch and parent: it takes branch 1's step_4."""
+    """The lineage's record lost (lineage.json deleted, cut short, or an older copy without the rollback's branch):
+    `latest` took the abandoned branch 0's step_6. Its checkpoints record their branch and parent: it takes branch 1's
+    step_4."""
     first = tmp_path / "first"
     with monkeypatch.context() as m, pytest.raises(SystemExit):
         _signal_after_step(m, 6, signal.SIGTERM)
@@ -119,11 +120,13 @@ def test_latest_follows_the_line_its_checkpoints_record(monkeypatch, tmp_path, c
         run_recipe("baseline", first, *EIGHT, "--learning_rate", 5e-4, "--resume_from_checkpoint",
                    first / "checkpoints" / "step_00000002")
     assert _branches(first) == {"step_00000002": 0, "step_00000004": 1, "step_00000006": 0}
-    for damage in ("deleted", "cut"):
+    for damage in ("deleted", "cut", "stale"):
         out = tmp_path / damage
         shutil.copytree(first, out)
         record = out / "checkpoints" / "lineage.json"
-        record.unlink() if damage == "deleted" else record.write_text(record.read_text()[:20])
+        stale = json.dumps(json.loads(record.read_text())[:1])  # as copied before the rollback began
+        record.unlink() if damage == "deleted" else record.write_text(
+            record.read_text()[:20] if damage == "cut" else stale)
         r = run_recipe("baseline", out, *EIGHT, "--learning_rate", 5e-4, "--resume_from_checkpoint", "latest")
         assert r["resumed_from_step"] == 4 and r["lineage"]["branch"] == 1 and r["lineage"]["from_step"] == 2, damage
 

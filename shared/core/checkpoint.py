@@ -261,12 +261,12 @@ def lineage() -> dict:
 
 
 def _branches(root: Path) -> list[dict]:
-    """lineage.json; where it is missing or damaged (deleted, a partial copy of the folder), the branches the
-    checkpoints record, each with its parent: `latest` took the abandoned branch 0's newest checkpoint instead."""
+    """lineage.json, with the branches the checkpoints record and it lacks (each with its parent): where it is
+    missing, damaged or stale (a partial copy of the run folder), `latest` took the abandoned branch 0's newest."""
     data = _read_json(root / LINEAGE)
     ok = isinstance(data, list) and data and all(isinstance(b, dict) and isinstance(b.get("branch"), int) for b in data)
     by_id = {b["branch"]: b for b in (data if ok else [{"branch": 0, "parent": None, "from_step": None}])}
-    for path in [] if ok else _checkpoints(root):  # (a whole file is the record: another run's are not ours)
+    for path in _checkpoints(root):
         state = _state(path)
         branch, parent = state.get("branch", 0), state.get("parent") or {}
         if isinstance(branch, int) and branch not in by_id and isinstance(parent, dict):
@@ -537,10 +537,12 @@ def _finished(accelerator, launch: Launch, at_last_step: bool, steps: int) -> No
         logger.warning("%s cannot be read as the run's results (damaged, or cut short): the run's end is not "
                        "recorded, so it is evaluated and written again from the checkpoint.", results)
         return
-    # `latest` where the newest branch finished with no checkpoint at its last step (one run without
-    # --checkpointing_steps): it would train that branch again from an earlier step and write over its results.
-    ended = launch.resume_from_checkpoint == "latest" and written.get("max_train_steps") == steps and (
-        written.get("lineage") or {}).get("branch", 0) == _branches(checkpoints_root(launch.output_dir))[-1]["branch"]
+    # `latest` where the newest branch finished writing no checkpoint at its last step (run without
+    # --checkpointing_steps): it would train that branch again from an earlier step and write over its results. (One
+    # whose last checkpoint is damaged trains again from the newest that verifies.)
+    ended = launch.resume_from_checkpoint == "latest" and written.get("max_train_steps") == steps and not (
+        written.get("flags") or {}).get("checkpointing_steps") and (written.get("lineage") or {}).get(
+        "branch", 0) == _branches(checkpoints_root(launch.output_dir))[-1]["branch"]
     restarted = False
     if not at_last_step and launch.elastic_restarts:
         import psutil  # the launcher (torch elastic's agent) began before this launch's first attempt
