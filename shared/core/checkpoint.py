@@ -616,7 +616,7 @@ def _start_branch(accelerator, launch: Launch, path: Path | None, state: dict, c
             return
     known = {b["branch"] for b in branches} | {_state(p).get("branch", 0) for p in ours}
     entry = {"branch": max(known) + 1, "parent": state.get("branch", 0) if path else None,
-             "from_step": state["step"] if path else None, "from": str(path) if path else None,
+             "from_step": state["step"] if path else None, "from": str(path.resolve()) if path else None,
              "changes": {k: list(v) for k, v in changes.items()}}
     accelerator.wait_for_everyone()  # every process has read lineage.json before the main process adds to it
     if accelerator.is_main_process:
