@@ -628,6 +628,12 @@ CASES = [
     Case("resume-the-checkpoints-folder", "--resume_from_checkpoint naming the run's checkpoints/ folder", [],
          ["is this run's checkpoints folder, not one of its checkpoints", "a step_N folder under"],
          setup=lambda t: ["--resume_from_checkpoint", _made(t / "out" / "checkpoints")]),
+    Case("resume-another-recipes-checkpoint", "resuming another recipe's checkpoint (it was refused for its precision,"
+         " then, once that was followed, as '--recipe was baseline', a flag that does not exist)",
+         ["--per_device_train_batch_size", 4],
+         ["was written by recipes/baseline.py, and this is recipes/mixed_precision.py",
+          "Resume it with recipes/baseline.py"], recipe="mixed_precision",
+         setup=lambda t: ["--resume_from_checkpoint", _saved_at_batch_4(t, "baseline")]),
     Case("resume-another-global-batch", "resuming on another per-device batch, process count or accumulation whose "
          "product, the global batch, is not the checkpoint's (docs/resharding.md)",
          ["--per_device_train_batch_size", 2],

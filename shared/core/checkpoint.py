@@ -566,6 +566,11 @@ def _refuse_unknown_or_changed(path: Path, saved: dict, run: dict, explicit: set
                               "their run and data): it cannot be checked against this run, so it is not resumed. "
                               "Resume it with the version of the recipes that wrote it, or start afresh in another "
                               "--output_dir.")
+    if saved.get("recipe", run["recipe"]) != run["recipe"]:  # first: every other difference follows from it
+        raise CheckpointError(f"{path} was written by recipes/{saved['recipe']}.py, and this is recipes/"
+                              f"{run['recipe']}.py: a checkpoint holds its recipe's model, wrapping and optimizer "
+                              f"state. Resume it with recipes/{saved['recipe']}.py and that run's flags, or start "
+                              "afresh in another --output_dir (--model_name_or_path takes a finished run's model).")
     data = differences(saved, run, ("data_content",))
     if data:
         (was, now), = data.values()
