@@ -187,6 +187,23 @@ def _saved_at_batch_4(tmp: Path, recipe: str) -> Path:
     return tmp / "saved" / "checkpoints" / "step_00000002"
 
 
+def _made(path: Path) -> Path:
+    path.mkdir(parents=True)
+    return path
+
+
+def _line_from(tmp: Path, start: Path) -> Path:
+    """A run folder whose branch 1 began at `start` (--resume_from_checkpoint of another run's checkpoint) and was
+    killed before its first checkpoint: checkpoints/lineage.json as the run wrote it, no step_N."""
+    import json
+
+    (tmp / "out" / "checkpoints").mkdir(parents=True)
+    (tmp / "out" / "checkpoints" / "lineage.json").write_text(json.dumps([
+        {"branch": 0, "parent": None, "from_step": None},
+        {"branch": 1, "parent": 0, "from_step": 2, "from": str(start), "changes": {}}]))
+    return tmp / "out"
+
+
 def _checkpoint_dir(tmp: Path) -> Path:
     path = tmp / "half_written"
     path.mkdir()
@@ -272,6 +289,25 @@ CASES = [
     Case("deepspeed-conflicting-accumulation", "accumulation 4 in the DeepSpeed JSON, 2 on the command line",
          ["--gradient_accumulation_steps", "2"], ["4 from the DeepSpeed JSON", "2 from --gradient_accumulation_steps"],
          recipe="zero", setup=lambda t: ["--deepspeed_config", _ds_json(t, gradient_accumulation_steps=4)]),
+    Case("deepspeed-optimizer-without-kernel", "a DeepSpeed JSON optimizer whose kernel this machine lacks (Lamb "
+         "on CPU: a raw 'This op had not been implemented on CPU backend' from prepare())", [],
+         ["optimizer Lamb in the DeepSpeed JSON", "FusedLambBuilder kernel", "Use AdamW"], recipe="zero",
+         setup=lambda t: ["--deepspeed_config", _ds_json(t, optimizer={"type": "Lamb", "params": {"lr": "auto"}})]),
+    Case("deepspeed-optimizer-untested-under-zero", "a torch.optim optimizer in a DeepSpeed JSON under ZeRO (a raw "
+         "AssertionError 'untested ZeRO Optimizer' from prepare())", [],
+         ["optimizer SGD in the DeepSpeed JSON", "under ZeRO stage 3", '"zero_allow_untested_optimizer": true'],
+         recipe="zero",
+         setup=lambda t: ["--deepspeed_config", _ds_json(t, optimizer={"type": "SGD", "params": {"lr": "auto"}})]),
+    Case("deepspeed-adagrad-zero2", "Adagrad in a DeepSpeed JSON under ZeRO-1/2 without optimizer offload (a raw "
+         "IndexError from DeepSpeed's first backward)", [],
+         ["optimizer Adagrad in the DeepSpeed JSON", "under ZeRO stage 2 without optimizer offload",
+          "offload_optimizer device cpu"], recipe="zero",
+         setup=lambda t: ["--deepspeed_config", _ds_json(t, optimizer={"type": "Adagrad", "params": {"lr": "auto"}},
+                                                         zero_optimization={"stage": 2})]),
+    Case("deepspeed-optimizer-unknown", "a DeepSpeed JSON optimizer neither DeepSpeed nor torch.optim has (a raw "
+         "AttributeError from prepare())", [],
+         ["optimizer sgd in the DeepSpeed JSON", "nor a class of torch.optim", "exact case: SGD"], recipe="zero",
+         setup=lambda t: ["--deepspeed_config", _ds_json(t, optimizer={"type": "sgd", "params": {"lr": "auto"}})]),
     Case("deepspeed-json-malformed", "a DeepSpeed JSON with a trailing comma (a raw JSONDecodeError traceback before)",
          [], ["--deepspeed_config", "could not load the DeepSpeed JSON (JSONDecodeError", "python -m json.tool"],
          recipe="zero", setup=lambda t: ["--deepspeed_config", _write(t / "ds.json", '{"zero_optimization": '
@@ -580,6 +616,24 @@ CASES = [
     Case("resume-past-the-end", "resuming a checkpoint past the run's last step (a lowered --max_train_steps)", [],
          ["is at step 4, past this run's 2 steps", "Pass --max_train_steps 4 or more"],
          setup=lambda t: ["--resume_from_checkpoint", _finished_checkpoint(t)]),
+    Case("resume-line-from-a-lost-checkpoint", "--resume_from_checkpoint latest where the run's newest branch began "
+         "at another folder's checkpoint, since deleted, and has none of its own (it trained from scratch, unsaid)",
+         ["--resume_from_checkpoint", "latest"],
+         ["branch 1 of the run in", "cannot be resumed (it no longer exists)", "Pass --resume_from_checkpoint"],
+         out=lambda t: _line_from(t, t / "gone" / "checkpoints" / "step_00000002")),
+    Case("resume-the-run-folder", "--resume_from_checkpoint naming the run's own folder (--output_dir), not a step of "
+         "it (it was told to pass an --output_dir apart from its input)", [],
+         ["is this run's folder (--output_dir), not one of its checkpoints", "Pass --resume_from_checkpoint latest"],
+         setup=lambda t: ["--resume_from_checkpoint", _made(t / "out" / "checkpoints").parent]),
+    Case("resume-the-checkpoints-folder", "--resume_from_checkpoint naming the run's checkpoints/ folder", [],
+         ["is this run's checkpoints folder, not one of its checkpoints", "a step_N folder under"],
+         setup=lambda t: ["--resume_from_checkpoint", _made(t / "out" / "checkpoints")]),
+    Case("resume-another-recipes-checkpoint", "resuming another recipe's checkpoint (it was refused for its precision,"
+         " then, once that was followed, as '--recipe was baseline', a flag that does not exist)",
+         ["--per_device_train_batch_size", 4],
+         ["was written by recipes/baseline.py, and this is recipes/mixed_precision.py",
+          "Resume it with recipes/baseline.py"], recipe="mixed_precision",
+         setup=lambda t: ["--resume_from_checkpoint", _saved_at_batch_4(t, "baseline")]),
     Case("resume-another-global-batch", "resuming on another per-device batch, process count or accumulation whose "
          "product, the global batch, is not the checkpoint's (docs/resharding.md)",
          ["--per_device_train_batch_size", 2],

@@ -92,6 +92,69 @@ def test_results_are_written_once_per_training(tmp_path, caplog):
     assert "is finished" in caplog.text and "results are left as they are" in caplog.text
     assert (tmp_path / "results.json").read_bytes() == before and r["train_loss"] is not None
     assert (tmp_path / "model.safetensors").stat().st_mtime_ns == weights
+    # A run that wrote no checkpoint at its last step (no --checkpointing_steps): `latest` found none and trained it
+    # again from scratch, writing over its results.
+    plain = tmp_path / "plain"
+    run_recipe("baseline", plain, *short[:2], *short[4:])
+    before = (plain / "results.json").read_bytes()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="recipes"):
+        run_recipe("baseline", plain, *short[:2], *short[4:], "--resume_from_checkpoint", "latest")
+    assert "is finished" in caplog.text and (plain / "results.json").read_bytes() == before
+
+
+class KilledBeforeSave(BaseException):
+    """A kill -9 before the run's first checkpoint is written."""
+
+
+def test_latest_follows_the_line_its_checkpoints_record(monkeypatch, tmp_path, caplog):
+    """The lineage's record lost (lineage.json deleted, cut short, or an older copy without the rollback's branch):
+    `latest` took the abandoned branch 0's step_6. Its checkpoints record their branch and parent: it takes branch 1's
+    step_4."""
+    first = tmp_path / "first"
+    with monkeypatch.context() as m, pytest.raises(SystemExit):
+        _signal_after_step(m, 6, signal.SIGTERM)
+        run_recipe("baseline", first, *EIGHT)
+    with monkeypatch.context() as m, pytest.raises(Killed):
+        _killed_after_save(m, 4)
+        run_recipe("baseline", first, *EIGHT, "--learning_rate", 5e-4, "--resume_from_checkpoint",
+                   first / "checkpoints" / "step_00000002")
+    assert _branches(first) == {"step_00000002": 0, "step_00000004": 1, "step_00000006": 0}
+    for damage in ("deleted", "cut", "stale"):
+        out = tmp_path / damage
+        shutil.copytree(first, out)
+        record = out / "checkpoints" / "lineage.json"
+        stale = json.dumps(json.loads(record.read_text())[:1])  # as copied before the rollback began
+        record.unlink() if damage == "deleted" else record.write_text(
+            record.read_text()[:20] if damage == "cut" else stale)
+        r = run_recipe("baseline", out, *EIGHT, "--learning_rate", 5e-4, "--resume_from_checkpoint", "latest")
+        assert r["resumed_from_step"] == 4 and r["lineage"]["branch"] == 1 and r["lineage"]["from_step"] == 2, damage
+
+
+def test_a_line_begun_at_another_folders_checkpoint_resumes_there(monkeypatch, tmp_path, caplog):
+    """--resume_from_checkpoint of another run's checkpoint into a new --output_dir, killed before its first save:
+    `latest` there found no checkpoint and trained from scratch. It resumes where the line began, and ends where
+    the uninterrupted run does; with that checkpoint gone, it is refused by name."""
+    short = ["--max_train_steps", 4, "--checkpointing_steps", 2, "--max_train_samples", 64, "--max_eval_samples", 16]
+    run_recipe("baseline", tmp_path / "a", *short)
+    start = tmp_path / "a" / "checkpoints" / "step_00000002"
+    save = checkpoint.save_checkpoint
+
+    def killed(accelerator, launch, at, *args, **kwargs):
+        if at >= 3:
+            raise KilledBeforeSave(at)
+        return save(accelerator, launch, at, *args, **kwargs)
+
+    out = tmp_path / "b"
+    with monkeypatch.context() as m, pytest.raises(KilledBeforeSave):
+        m.setattr(checkpoint, "save_checkpoint", killed)
+        run_recipe("baseline", out, *short, "--checkpointing_steps", 3, "--resume_from_checkpoint", start)
+    assert not list((out / "checkpoints").glob("step_*")) and (out / "checkpoints" / "lineage.json").exists()
+    run_recipe("baseline", tmp_path / "ref", *short, "--resume_from_checkpoint", start)
+    with caplog.at_level("WARNING", logger="recipes"):
+        r = run_recipe("baseline", out, *short, "--resume_from_checkpoint", "latest")
+    assert r["resumed_from_step"] == 2 and "where it started" in caplog.text
+    assert max_param_diff(load_params(tmp_path / "ref"), load_params(out)) <= 1e-7
 
 
 @pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1])
@@ -109,3 +172,22 @@ def test_sighup_and_sigusr1_save_like_sigterm(signum, monkeypatch, tmp_path):
     assert r["resumed_from_step"] == 2 and r["lineage"]["branch"] == 0, "the same branch, continued"
     run_recipe("baseline", tmp_path / "whole", *short)
     assert max_param_diff(load_params(tmp_path / "whole"), load_params(tmp_path / "cut")) <= 1e-7
+
+
+def test_other_folders_beside_the_checkpoints_are_left_alone(tmp_path, caplog):
+    """docs/resharding.md's fix for a ZeRO checkpoint on another process count writes checkpoints/step_N_universal
+    beside it; resuming from it raised `ValueError: invalid literal for int() with base 10: 'universal'` (and `latest`
+    after it too). A folder there that is not step_<N> (reshard's, a user's backup) is resumed by path, never taken by
+    `latest`, counted or pruned by --save_total_limit."""
+    short = ["--max_train_steps", 4, "--checkpointing_steps", 2, "--max_train_samples", 64, "--max_eval_samples", 16]
+    run_recipe("baseline", tmp_path, *short[:2], "--checkpointing_steps", 2, *short[4:])
+    (tmp_path / "results.json").unlink()
+    backup = tmp_path / "checkpoints" / "step_00000002_backup"
+    shutil.copytree(tmp_path / "checkpoints" / "step_00000002", backup)
+    r = run_recipe("baseline", tmp_path, *short, "--save_total_limit", 1, "--resume_from_checkpoint", backup)
+    assert r["resumed_from_step"] == 2 and r["lineage"]["branch"] == 1 and backup.is_dir()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000002_backup",
+                                                                                 "step_00000004"]
+    with caplog.at_level("WARNING", logger="recipes"):
+        run_recipe("baseline", tmp_path, *short, "--resume_from_checkpoint", "latest")
+    assert "is finished" in caplog.text

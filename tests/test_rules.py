@@ -38,6 +38,8 @@ BAD_INPUTS = {
     ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", '"'): "an amp / torch_autocast "
                                                                                        "block in the JSON",
     ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", "optimizer "): "a 1-bit optimizer",
+    ("shared/techniques/deepspeed_setup.py", "_check_json_optimizer", "optimizer "): "a JSON optimizer DeepSpeed "
+    "cannot build here (a kernel this machine lacks, untested under ZeRO, a name it does not know, mup missing)",
     ("shared/techniques/deepspeed_setup.py", "_refuse_what_the_loop_cannot_run", "Misspelled keys in "): "a top-level "
     "key DeepSpeed does not read, close to one it does (it would be ignored)",
     ("shared/techniques/deepspeed_setup.py", "_check_zero_block", "zero_optimization in "): "a zero_optimization "

@@ -261,10 +261,17 @@ def lineage() -> dict:
 
 
 def _branches(root: Path) -> list[dict]:
+    """lineage.json, with the branches the checkpoints record and it lacks (each with its parent): where it is
+    missing, damaged or stale (a partial copy of the run folder), `latest` took the abandoned branch 0's newest."""
     data = _read_json(root / LINEAGE)
-    if isinstance(data, list) and data and all(isinstance(b, dict) and isinstance(b.get("branch"), int) for b in data):
-        return data
-    return [{"branch": 0, "parent": None, "from_step": None}]
+    ok = isinstance(data, list) and data and all(isinstance(b, dict) and isinstance(b.get("branch"), int) for b in data)
+    by_id = {b["branch"]: b for b in (data if ok else [{"branch": 0, "parent": None, "from_step": None}])}
+    for path in _checkpoints(root):
+        state = _state(path)
+        branch, parent = state.get("branch", 0), state.get("parent") or {}
+        if isinstance(branch, int) and branch not in by_id and isinstance(parent, dict):
+            by_id[branch] = {"branch": branch, "parent": parent.get("branch"), "from_step": parent.get("step")}
+    return [by_id[b] for b in sorted(by_id)]  # oldest first: a new branch's id is the largest known plus one
 
 
 def _line(branches: list[dict], branch: int) -> dict[int, float]:
@@ -276,6 +283,12 @@ def _line(branches: list[dict], branch: int) -> dict[int, float]:
         branch, limit = b.get("parent"), b.get("from_step")
         limit = float("inf") if limit is None else limit
     return line
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    """The run's checkpoints, oldest first: step_<N> only. Other folders there (reshard's step_N_universal, a user's
+    step_N_backup) are resumed by path, never counted, pruned or taken by `latest` (they raised ValueError)."""
+    return sorted((p for p in root.glob("step_*") if p.name[5:].isdigit()), key=_step_of)
 
 
 def _step_of(path: Path) -> int:
@@ -305,7 +318,7 @@ def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, 
     then = "this run's earlier checkpoints are intact (--resume_from_checkpoint latest continues from the newest)."
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-        ours = [p for p in sorted(root.glob("step_*")) if not differences(saved_run(p), run, FIXED)]
+        ours = [p for p in _checkpoints(root) if not differences(saved_run(p), run, FIXED)]
         if ours:  # the last one's size: what this one needs, checked before writing a byte
             last = _read_json(ours[-1] / MANIFEST) or {}
             rundir.check_room(root, sum(m.get("bytes", 0) for m in last.values()), f"checkpoint {final.name}", then)
@@ -335,7 +348,7 @@ def save_checkpoint(accelerator, launch: Launch, step: int, micro_batches: int, 
                 # The newest `keep` of this branch's line; the checkpoints of abandoned branches go too, now that
                 # this branch has one (the rollback point stays until then: it is on the line).
                 line = _line(_branches(root), _lineage["branch"])
-                ours = [p for p in sorted(root.glob("step_*")) if not differences(saved_run(p), run, FIXED)]
+                ours = [p for p in _checkpoints(root) if not differences(saved_run(p), run, FIXED)]
                 on = [p for p in ours if _on_line(p, line)]
                 for old in on[:-keep] + [p for p in ours if p not in on]:
                     shutil.rmtree(old, ignore_errors=True)
@@ -446,7 +459,7 @@ def find_checkpoint(launch: Launch, accelerator) -> Path | None:
         run = run_identity(launch, accelerator.num_processes)
         branches = _branches(root)
         line = _line(branches, branches[-1]["branch"])
-        for path in sorted(root.glob("step_*"), reverse=True):
+        for path in reversed(_checkpoints(root)):
             if not _on_line(path, line):
                 logger.info("skipping checkpoint %s: its branch was abandoned at an earlier step (a resume from "
                             "there started branch %d, which `latest` follows)", path, branches[-1]["branch"])
@@ -456,6 +469,21 @@ def find_checkpoint(launch: Launch, accelerator) -> Path | None:
             if problem is None:
                 return path
             logger.warning("skipping checkpoint %s: %s", path, problem)
+        # The line began at a checkpoint outside this folder (--resume_from_checkpoint of another run's) and has none
+        # here yet: that is where it resumes; starting from scratch would drop what the line was trained from.
+        for branch in (b for b in reversed(branches) if b["branch"] in line and b.get("from")):
+            start = Path(branch["from"])
+            if start.resolve() in {p.resolve() for p in _checkpoints(root)}:
+                continue  # a rollback point here is on the line above: taken there if it verifies
+            problem = verify_checkpoint(start, accelerator) if start.is_dir() else "it no longer exists"
+            if problem:
+                raise CheckpointError(f"--resume_from_checkpoint latest: branch {branch['branch']} of the run in "
+                                      f"{launch.output_dir} started from {start}, which it has no checkpoint after, "
+                                      f"and {start} cannot be resumed ({problem}). Pass --resume_from_checkpoint "
+                                      "with a complete checkpoint, or start afresh with --overwrite_output_dir.")
+            logger.warning("--resume_from_checkpoint latest: branch %d has no checkpoint in %s yet; resuming from "
+                           "%s, where it started", branch["branch"], root, start)
+            return start
         logger.warning("--resume_from_checkpoint latest: no complete checkpoint in %s; starting from scratch",
                        root)
         return None
@@ -481,7 +509,7 @@ def _refuse_overwriting_another_run(launch: Launch, num_processes: int) -> None:
     if not launch.args.checkpointing_steps:
         return
     run = run_identity(launch, num_processes)
-    for path in sorted(checkpoints_root(launch.output_dir).glob("step_*")):
+    for path in _checkpoints(checkpoints_root(launch.output_dir)):
         other = differences(saved_run(path), run, FIXED) if (path / MANIFEST).exists() else {}
         if other:
             raise CheckpointError(f"{path.parent} holds checkpoints of another run ({path.name}: "
@@ -498,7 +526,7 @@ def resume_changes() -> dict:
     return dict(_resume_changes)
 
 
-def _finished(accelerator, launch: Launch, at_last_step: bool) -> None:
+def _finished(accelerator, launch: Launch, at_last_step: bool, steps: int) -> None:
     """Results are written once per training: a resume that trains nothing where results.json is written, or a torch
     elastic restart after this launch wrote it (a process died after the run finished), leaves it and stops."""
     results = Path(launch.output_dir) / "results.json"
@@ -509,14 +537,22 @@ def _finished(accelerator, launch: Launch, at_last_step: bool) -> None:
         logger.warning("%s cannot be read as the run's results (damaged, or cut short): the run's end is not "
                        "recorded, so it is evaluated and written again from the checkpoint.", results)
         return
-    if not at_last_step:
+    # `latest` where the newest branch finished writing no checkpoint at its last step (run without
+    # --checkpointing_steps): it would train that branch again from an earlier step and write over its results. (One
+    # whose last checkpoint is damaged trains again from the newest that verifies.)
+    ended = launch.resume_from_checkpoint == "latest" and written.get("max_train_steps") == steps and not (
+        written.get("flags") or {}).get("checkpointing_steps") and (written.get("lineage") or {}).get(
+        "branch", 0) == _branches(checkpoints_root(launch.output_dir))[-1]["branch"]
+    restarted = False
+    if not at_last_step and launch.elastic_restarts:
         import psutil  # the launcher (torch elastic's agent) began before this launch's first attempt
 
-        if not launch.elastic_restarts or results.stat().st_mtime < psutil.Process(os.getppid()).create_time():
-            return
+        restarted = results.stat().st_mtime >= psutil.Process(os.getppid()).create_time()
+    if not (at_last_step or ended or restarted):
+        return
     logger.warning("the run in %s is finished (%s written%s): nothing to train, and its results are left as they "
                    "are. To train on, pass a larger --max_train_steps with --resume_from_checkpoint latest.",
-                   launch.output_dir, results, " by this launch before a process died" if not at_last_step else "")
+                   launch.output_dir, results, " by this launch before a process died" if restarted else "")
     accelerator.end_training()
     raise RunFinished(written)
 
@@ -530,6 +566,11 @@ def _refuse_unknown_or_changed(path: Path, saved: dict, run: dict, explicit: set
                               "their run and data): it cannot be checked against this run, so it is not resumed. "
                               "Resume it with the version of the recipes that wrote it, or start afresh in another "
                               "--output_dir.")
+    if saved.get("recipe", run["recipe"]) != run["recipe"]:  # first: every other difference follows from it
+        raise CheckpointError(f"{path} was written by recipes/{saved['recipe']}.py, and this is recipes/"
+                              f"{run['recipe']}.py: a checkpoint holds its recipe's model, wrapping and optimizer "
+                              f"state. Resume it with recipes/{saved['recipe']}.py and that run's flags, or start "
+                              "afresh in another --output_dir (--model_name_or_path takes a finished run's model).")
     data = differences(saved, run, ("data_content",))
     if data:
         (was, now), = data.values()
@@ -565,7 +606,7 @@ def _start_branch(accelerator, launch: Launch, path: Path | None, state: dict, c
     root = checkpoints_root(launch.output_dir)
     branches = _branches(root)
     newest = branches[-1]["branch"]
-    ours = sorted(root.glob("step_*"))
+    ours = _checkpoints(root)
     if path is None and not (launch.args.checkpointing_steps and (ours or (root / LINEAGE).exists())):
         _lineage.update(branch=0, parent=None, from_step=None, **{"from": None})  # nothing to branch from, or to
         return
@@ -580,7 +621,7 @@ def _start_branch(accelerator, launch: Launch, path: Path | None, state: dict, c
             return
     known = {b["branch"] for b in branches} | {_state(p).get("branch", 0) for p in ours}
     entry = {"branch": max(known) + 1, "parent": state.get("branch", 0) if path else None,
-             "from_step": state["step"] if path else None, "from": str(path) if path else None,
+             "from_step": state["step"] if path else None, "from": str(path.resolve()) if path else None,
              "changes": {k: list(v) for k, v in changes.items()}}
     accelerator.wait_for_everyone()  # every process has read lineage.json before the main process adds to it
     if accelerator.is_main_process:
@@ -617,7 +658,7 @@ def resume(accelerator, launch: Launch, max_steps: int) -> tuple[int, int]:
         logger.warning("torch elastic restart %d of %d (a process died; all were restarted), resuming from %s: %s.",
                        used, most, path or "step 0 (no complete checkpoint; --checkpointing_steps N writes them)", then)
     state = json.loads((path / STATE_FILE).read_text()) if path else {}
-    _finished(accelerator, launch, at_last_step=bool(path) and state["step"] == steps)
+    _finished(accelerator, launch, bool(path) and state["step"] == steps, steps)
     if accelerator.is_main_process and not launch.args.no_save_model:  # the final model's room, before any step
         params = [p for m in prepared_models(accelerator) for p in m.parameters()]
         needed = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params)  # ZeRO-3: its full size

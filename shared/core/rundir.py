@@ -84,6 +84,11 @@ def refuse_inputs(args: argparse.Namespace, output_dir: str, resume: str | None)
         src = Path(value).expanduser().resolve()
         if name == "resume_from_checkpoint" and out / "checkpoints" in src.parents:
             continue
+        if name == "resume_from_checkpoint" and src in (out, out / "checkpoints"):  # the run, not one of its steps
+            what = "folder (--output_dir)" if src == out else "checkpoints folder"
+            raise CheckpointError(f"--resume_from_checkpoint {value!r} is this run's {what}, not one of its "
+                                  "checkpoints. Pass --resume_from_checkpoint latest (its newest complete one), or "
+                                  f"a step_N folder under {out / 'checkpoints'}.")
         where = ("is" if src == out else "lies inside" if src in out.parents else "holds" if out in src.parents
                  else "")
         if where:

@@ -395,6 +395,62 @@ def _refuse_what_the_loop_cannot_run(config: dict, chosen: dict, json_file: str 
     if (config.get("optimizer") or {}).get("type", "").lower() in ("onebitadam", "zerooneadam", "onebitlamb"):
         raise LaunchError(f"optimizer {config['optimizer']['type']} in {where}: DeepSpeed's 1-bit optimizers need "
                           "NCCL or MPI compression backends these recipes do not set up. Use AdamW.")
+    _check_json_optimizer(config, where)
+
+
+# The kernel DeepSpeed builds each of its own optimizer types with (engine._configure_basic_optimizer), with the
+# optimizer offloaded to the CPU and without; None: plain torch (or the import of a package).
+_OPTIMIZER_OPS = {"adam": ("CPUAdamBuilder", None), "adamw": ("CPUAdamBuilder", None),
+                  "adagrad": ("CPUAdagradBuilder", None), "lamb": ("FusedLambBuilder", "FusedLambBuilder"),
+                  "lion": ("CPULionBuilder", "FusedLionBuilder")}
+_ZERO_TESTED = ("adam", "adamw", "adagrad", "lion", "muon")  # what its classes are in ZERO_SUPPORTED_OPTIMIZERS
+
+
+def _check_json_optimizer(config: dict, where: str) -> None:
+    """The JSON's "optimizer" type as DeepSpeed builds it in prepare(): a kernel this machine lacks (Lamb on CPU:
+    `ValueError: This op had not been implemented on CPU backend`), a torch.optim name under ZeRO without
+    zero_allow_untested_optimizer (`AssertionError: You are using an untested ZeRO Optimizer`), a name neither
+    DeepSpeed nor torch.optim has (AttributeError): each refused by name before any work."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    block = config.get("optimizer")
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        return
+    name = block["type"]
+    own = name.lower() in DEEPSPEED_OPTIMIZERS
+    offload = _get(config, "zero_optimization.offload_optimizer")
+    offload = isinstance(offload, dict) and str(offload.get("device")).lower() in ("cpu", "nvme")
+    if own and name.lower() in _OPTIMIZER_OPS:
+        op = _OPTIMIZER_OPS[name.lower()][0 if offload else 1]
+        if op and type(get_accelerator().create_op_builder(op)).__name__ in ("NoneType", "NotImplementedBuilder"):
+            raise LaunchError(f"optimizer {name} in {where}: DeepSpeed builds it with its {op} kernel, which has no "
+                              f"{get_accelerator().device_name()} implementation here (prepare() would stop with "
+                              "'This op had not been implemented'). Use AdamW, or remove the block to train with "
+                              "the recipe's AdamW.")
+    elif own and name.lower().startswith("mu") and name.lower() != "muon":
+        import importlib.util
+
+        if importlib.util.find_spec("mup") is None:
+            raise LaunchError(f"optimizer {name} in {where}: DeepSpeed builds it from the mup package, which is not "
+                              "installed. pip install mup, or use AdamW.")
+    elif not own and not isinstance(getattr(torch.optim, name, None), type):
+        raise LaunchError(f"optimizer {name} in {where}: not an optimizer DeepSpeed builds "
+                          f"({', '.join(DEEPSPEED_OPTIMIZERS)}, any case) nor a class of torch.optim, where it looks "
+                          "other names up (exact case: SGD, RMSprop). Fix the name, or remove the block.")
+    stage = _get(config, "zero_optimization.stage")
+    if own and name.lower() == "adagrad" and stage in (1, 2) and not offload:
+        # torch.optim.Adagrad in ZeRO-1/2's flat partitions: IndexError in _get_flat_partition_unpadded at the first
+        # backward (2 processes, DeepSpeed 0.19.8); DeepSpeedCPUAdagrad (offload) and ZeRO-3 ran.
+        raise LaunchError(f"optimizer {name} in {where} under ZeRO stage {stage} without optimizer offload: "
+                          "DeepSpeed's torch.optim.Adagrad stops in its first backward there (IndexError in "
+                          "stage_1_and_2). Offload the optimizer (offload_optimizer device cpu: DeepSpeedCPUAdagrad), "
+                          "run ZeRO stage 3, or use AdamW.")
+    if (isinstance(stage, int) and stage > 0 and name.lower() not in _ZERO_TESTED
+            and config.get("zero_allow_untested_optimizer") is not True):
+        raise LaunchError(f"optimizer {name} in {where} under ZeRO stage {stage}: DeepSpeed runs only the optimizers "
+                          "it has tested with ZeRO (Adam, AdamW, Adagrad, Lion) and stops in prepare() otherwise. Add "
+                          '"zero_allow_untested_optimizer": true to the JSON to run it as it is, or use AdamW.')
 
 
 # Where Accelerate fills an "auto" (DeepSpeedPlugin.__post_init__, Accelerator._prepare_deepspeed); any other "auto"
