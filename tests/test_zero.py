@@ -101,7 +101,8 @@ def _numel_of_tiny(task: str) -> int:
 
     config = preset_config(task, "tiny", vocab_size=builtin_vocab_size(task, "tiny"),
                            num_labels=2 if task == "text-classification" else 4)
-    args = argparse.Namespace(task=task, model_name_or_path=None, disable_dropout=False, trust_remote_code=False)
+    args = argparse.Namespace(task=task, model_name_or_path=None, model_preset="tiny", disable_dropout=False,
+                              trust_remote_code=False)  # the flags build_model reads (model_source names the preset)
     return sum(p.numel() for p in build_model(args, config).parameters())
 
 
