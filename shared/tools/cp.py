@@ -678,10 +678,6 @@ image-classification, sft).
     return text.encode()
 
 
-def _lines(data: bytes) -> int:
-    return len(data.decode(errors="replace").splitlines())
-
-
 def plan_copy(recipe_path: Path, dest: Path, tasks: list[str] | None = None, vendor: bool = False) -> Copy:
     """Everything to write, decided before anything is written. `tasks`: the task modules to carry (unset: the
     recipe's default task's; "all": every task). `vendor`: the whole core too (else it is imported, installed)."""
@@ -850,10 +846,13 @@ def summary(c: Copy) -> str:
     return "\n".join(lines)
 
 
+def _non_blank(data: bytes) -> int:
+    return sum(1 for line in data.decode(errors="replace").splitlines() if line.strip())
+
+
 def core_lines(c: Copy, part: str = "") -> int:
     """Non-blank lines of what a copy carries under recipe_core/`part` (the measure the copied-lines caps hold)."""
-    return sum(1 for rel, (data, _) in c.files.items() if rel.startswith(f"{VENDORED}/{part}")
-               for line in data.decode(errors="replace").splitlines() if line.strip())
+    return sum(_non_blank(data) for rel, (data, _) in c.files.items() if rel.startswith(f"{VENDORED}/{part}"))
 
 
 def copied_lines() -> dict[str, tuple[int, int, int, int]]:
@@ -867,8 +866,8 @@ def copied_lines() -> dict[str, tuple[int, int, int, int]]:
             linked = plan_copy(resolve_recipe(recipe), Path(tmp) / recipe)
             full = plan_copy(resolve_recipe(recipe), Path(tmp) / recipe, vendor=True)
             techniques = core_lines(full, "techniques/")
-            own = sum(1 for line in linked.files[f"{recipe}.py"][0].decode().splitlines() if line.strip())
-            out[recipe] = (own, core_lines(linked), core_lines(full) - techniques, techniques)
+            out[recipe] = (_non_blank(linked.files[f"{recipe}.py"][0]), core_lines(linked),
+                           core_lines(full) - techniques, techniques)
     return out
 
 
